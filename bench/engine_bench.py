@@ -1,0 +1,174 @@
+"""Engine benchmark on blocks shaped like a Flux-sized DiT, measured side by side in one run.
+
+Each block has Flux-dev's Linear shapes (hidden 3072, fused qkv 9216, MLP 12288).
+The token count is short so that it runs on a CPU. It prints, for k = 1, 2, 4, 8
+adapters at rank 32:
+
+- step time against the base step (the runtime overhead);
+- the cost of a strength change, against re-fusing the weights (restore each
+  weight from its backup, then add s·ΔW of every adapter in fp32, as a fusing
+  loader does after a slider move);
+- the activation cost for adapters already in the warm cache.
+
+    python bench/engine_bench.py                   # CPU defaults
+    python bench/engine_bench.py --device cuda --blocks 19 --tokens 4096 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lora_engine import AdapterCache, SlotBank  # noqa: E402
+
+HIDDEN, MLP = 3072, 12288
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, mlp: int):
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.mlp_in = nn.Linear(hidden, mlp)
+        self.mlp_out = nn.Linear(mlp, hidden)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = x + self.proj(torch.tanh(q) * v + k)
+        return x + self.mlp_out(torch.nn.functional.gelu(self.mlp_in(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: int, hidden: int, mlp: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, mlp) for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def write_adapter(model: nn.Module, path: str, rank: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            p = "lora_unet_" + name.replace(".", "_")
+            t[p + ".lora_down.weight"] = (torch.randn(rank, m.in_features, generator=g) * 0.01).to(torch.bfloat16)
+            t[p + ".lora_up.weight"] = (torch.randn(m.out_features, rank, generator=g) * 0.01).to(torch.bfloat16)
+            t[p + ".alpha"] = torch.tensor(float(rank))
+    save_file(t, path)
+
+
+def refuse(linears: dict[str, nn.Linear], backups: dict[str, torch.Tensor], adapters, strength: float) -> None:
+    """What a fusing loader does after a slider move: restore each weight from its backup, then add
+    s·ΔW of every adapter, computed in fp32."""
+    for name, m in linears.items():
+        w = backups[name].float()
+        for a in adapters:
+            lp = a.layers["lora_unet_" + name.replace(".", "_")]
+            w += strength * (lp.weight.scaled_up().to(w.device) @ lp.weight.down.float().to(w.device))
+        m.weight.copy_(w.to(m.weight.dtype))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeat: int) -> float:
+    """Median seconds of `repeat` calls after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--ks", default="1,2,4,8")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    ks = [int(k) for k in args.ks.split(",")]
+    torch.manual_seed(0)
+
+    model = Model(args.blocks, HIDDEN, MLP).to(device, dtype).eval()
+    x = torch.randn(1, args.tokens, HIDDEN, device=device, dtype=dtype)
+    n_layers = sum(isinstance(m, nn.Linear) for m in model.modules())
+    print(f"model: {args.blocks} Flux-shaped blocks ({n_layers} Linear layers, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params), {args.tokens} tokens, "
+          f"{args.dtype} on {device}; adapters at rank {args.rank}; torch {torch.__version__}")
+
+    tmp = tempfile.mkdtemp(prefix="lora-bench-")
+    paths = []
+    for i in range(max(ks)):
+        p = os.path.join(tmp, f"adapter{i}.safetensors")
+        write_adapter(model, p, args.rank, seed=i)
+        paths.append(p)
+    cache = AdapterCache(max_items=max(ks))
+    adapters = [cache.load(p) for p in paths]  # the cache is warm from here on
+
+    with torch.inference_mode():
+        base = timed(lambda: model(x), device, args.repeat)
+    print(f"\nbase step: {base * 1e3:.1f} ms\n")
+    header = (f"{'k':>2} | {'step ms':>8} | {'vs base':>7} | {'strength change':>15} | {'re-fuse':>9} | "
+              f"{'re-fuse / change':>16} | {'activate (warm cache)':>21}")
+    print(header)
+    print("-" * len(header))
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    backups = {n: m.weight.detach().clone() for n, m in linears.items()}  # what a fusing loader keeps
+    for k in ks:
+        chosen = adapters[:k]
+
+        def activate():
+            fresh = SlotBank(model, max_loras=k, dtype=dtype, device=device)
+            fresh.activate([(a, 1.0) for a in chosen])
+            return fresh
+
+        activations = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            bank = activate()
+            sync(device)
+            activations.append(time.perf_counter() - t0)
+            bank.release()
+        bank = activate()
+        with torch.inference_mode():
+            step = timed(lambda: model(x), device, args.repeat)
+        values = iter([0.5, 0.75] * 10000)
+        change = timed(lambda: bank.set_strength(chosen[0], next(values)), device, 50)
+        bank.release()
+        with torch.no_grad():
+            refuse_t = timed(lambda: refuse(linears, backups, chosen, next(values)), device, 1)
+            for n, m in linears.items():
+                m.weight.copy_(backups[n])
+        print(f"{k:>2} | {step * 1e3:8.1f} | {step / base:6.3f}x | {change * 1e3:12.3f} ms | "
+              f"{refuse_t:7.2f} s | {refuse_t / change:15.0f}x | {statistics.median(activations) * 1e3:18.1f} ms")
+    print(f"\ncache: {cache.stats()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""A multi-slot runtime LoRA engine in pure PyTorch. It never imports ComfyUI.
+
+    cache = default_cache()
+    a = cache.load("style.safetensors")
+    bank = SlotBank.of(model, max_loras=4)
+    bank.activate([(a, 0.8)])        # y = f(x) + Σ sᵢ·Bᵢ·Aᵢ·x on every targeted layer
+    bank.set_strength(a, 0.5)        # a tensor write
+    fuse(model, distilled, 1.0)      # W ← W + s·ΔW in fp32, rounded once, never twice
+"""
+
+from .adapter import Adapter, FileIdentity, load_adapter
+from .binding import MatchReport, bind
+from .cache import AdapterCache, CacheStats, default_cache
+from .errors import (FuseError, LoRAError, LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError,
+                     NonFiniteError, SlotLimitError)
+from .fuse import FuseResult, fuse, ledger_of
+from .keymap import KeyMap, Target
+from .reader import read_header
+from .slots import Activation, SlotBank
+
+__all__ = [
+    "Activation", "Adapter", "AdapterCache", "CacheStats", "FileIdentity", "FuseError", "FuseResult", "KeyMap",
+    "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError", "LoRAShapeError", "MatchReport",
+    "NonFiniteError", "SlotBank", "SlotLimitError", "Target", "bind", "default_cache", "fuse", "ledger_of",
+    "load_adapter", "read_header",
+]

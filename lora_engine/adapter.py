@@ -1,0 +1,103 @@
+"""A parsed adapter file, and how to load one."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import LoRAFileError, LoRAFormatError
+from .formats import parse_tensors
+from .patches import LayerPatch
+from .reader import read_tensors
+
+Converter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What makes two reads of a file the same: an edited file gets a new identity."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> FileIdentity:
+        real = os.path.realpath(path)
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            raise LoRAFileError("file not found", path=path, remedy="check the name and the loras folder") from None
+        return cls(real, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(eq=False)
+class Adapter:
+    """A named set of per-layer patches. Compared and hashed by identity."""
+
+    name: str
+    identity: FileIdentity
+    fingerprint: str  # content hash of the file: the adapter's identity for fusion ledgers
+    layers: dict[str, LayerPatch]
+    formats: tuple[str, ...]
+    leftover: tuple[str, ...]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self.identity.path
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for lp in self.layers.values() for t in lp.tensors())
+
+    @property
+    def low_rank_only(self) -> bool:
+        return all(lp.runtime_low_rank or lp.weight is None for lp in self.layers.values())
+
+    def __repr__(self) -> str:
+        return f"Adapter({self.name!r}, layers={len(self.layers)}, formats={'+'.join(self.formats) or '-'})"
+
+
+def file_fingerprint(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:32]
+
+
+def load_adapter(path: str, *, name: str | None = None, convert: Converter | None = None,
+                 pin: bool | None = None) -> Adapter:
+    """Read, validate and parse one file. Raises a `LoRAError` subclass naming the file."""
+    identity = FileIdentity.of(path)
+    tensors, metadata = read_tensors(identity.path)
+    if convert is not None:
+        tensors = convert(tensors)
+    parsed = parse_tensors(tensors, path, metadata)
+    if not parsed.layers:
+        sample = ", ".join(repr(k) for k in parsed.leftover[:3])
+        raise LoRAFormatError(f"no LoRA, LoCon, LoHa, LoKr or diff layers found (keys: {sample or 'none'})",
+                              path=path, remedy="this is not an adapter file, or its layout is unsupported")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    if pin:
+        _pin(parsed.layers)
+    return Adapter(name=name or os.path.basename(path), identity=identity, fingerprint=file_fingerprint(path),
+                   layers=parsed.layers, formats=parsed.formats, leftover=parsed.leftover, metadata=metadata)
+
+
+def _pin(layers: dict[str, LayerPatch]) -> None:
+    import dataclasses
+
+    def pinned(t):
+        return t.pin_memory() if t is not None and not t.is_pinned() else t
+
+    for lp in layers.values():
+        if lp.weight is not None:
+            lp.weight = dataclasses.replace(lp.weight, **{
+                f.name: pinned(getattr(lp.weight, f.name)) for f in dataclasses.fields(lp.weight)
+                if isinstance(getattr(lp.weight, f.name), torch.Tensor)})
+        lp.bias = pinned(lp.bias)
+        lp.dora_scale = pinned(lp.dora_scale)

@@ -1,0 +1,226 @@
+"""Binding an adapter to one model: key resolution, shape checks, the match report.
+
+Binding touches no model state. Its errors name the file, the key and both
+shapes, and arrive before any slot or weight is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .adapter import Adapter
+from .errors import LoRANoMatchError, LoRAShapeError
+from .keymap import KeyMap
+from .patches import LayerPatch
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the runtime needs to know of a layer, read from attributes, never from its weight."""
+
+    conv_dims: int  # 0 for Linear
+    in_features: int
+    out_features: int
+    kernel: tuple[int, ...] = ()
+    groups: int = 1
+    stride: tuple[int, ...] = ()
+    padding: object = 0
+    dilation: tuple[int, ...] = ()
+    padding_mode: str = "zeros"
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Geometry:
+        if isinstance(module, nn.Linear):
+            return cls(0, module.in_features, module.out_features)
+        return cls(len(module.kernel_size), module.in_channels, module.out_channels, tuple(module.kernel_size),
+                   module.groups, tuple(module.stride), module.padding, tuple(module.dilation),
+                   module.padding_mode)
+
+    @property
+    def weight_shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features // self.groups, *self.kernel))
+
+    @property
+    def low_rank_ok(self) -> bool:
+        return self.groups == 1 and self.padding_mode == "zeros"
+
+
+@dataclass(frozen=True)
+class Piece:
+    patch: LayerPatch
+    out_slice: tuple[int, int] | None
+
+
+@dataclass
+class ModulePlan:
+    name: str
+    module: nn.Module
+    geometry: Geometry
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def low_rank(self) -> bool:
+        return self.geometry.low_rank_ok and all(p.patch.runtime_low_rank or p.patch.weight is None
+                                                 for p in self.pieces)
+
+    @property
+    def rank(self) -> int:
+        return sum(p.patch.weight.rank for p in self.pieces if p.patch.weight is not None) if self.low_rank else 0
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [R, in, *k] and B [out, R] (scale folded in) for the whole module, slices placed."""
+        g = self.geometry
+        parts = [p for p in self.pieces if p.patch.weight is not None]
+        rank = sum(p.patch.weight.rank for p in parts)
+        a = torch.empty((rank, g.in_features, *g.kernel), dtype=dtype)
+        b = torch.zeros((g.out_features, rank), dtype=dtype)
+        at = 0
+        for p in parts:
+            w = p.patch.weight
+            a[at:at + w.rank] = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
+            start, size = p.out_slice or (0, g.out_features)
+            b[start:start + size, at:at + w.rank] = w.scaled_up().to(dtype)
+            at += w.rank
+        return a, b
+
+    def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
+        """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed; None when no piece has a weight."""
+        g = self.geometry
+        total = None
+        for p in self.pieces:
+            start, size = p.out_slice or (0, g.out_features)
+            shape = torch.Size((size, *g.weight_shape[1:]))
+            base = None
+            if base_weight is not None and p.patch.dora_scale is not None:
+                base = base_weight.reshape(g.weight_shape)[start:start + size]
+            try:
+                d = p.patch.dense_delta(shape, base)
+            except RuntimeError as e:
+                raise LoRAShapeError(f"patch does not fit layer {self.name!r} of shape "
+                                     f"{tuple(g.weight_shape)!r}: {e}", key=p.patch.key) from None
+            if d is None:
+                continue
+            if total is None:
+                total = torch.zeros(g.weight_shape, dtype=torch.float32)
+            total[start:start + size] += d
+        return total
+
+    def bias(self) -> torch.Tensor | None:
+        g = self.geometry
+        total = None
+        for p in self.pieces:
+            if p.patch.bias is None:
+                continue
+            start, size = p.out_slice or (0, g.out_features)
+            if total is None:
+                total = torch.zeros(g.out_features, dtype=torch.float32)
+            total[start:start + size] += p.patch.bias.float().reshape(-1)
+        return total
+
+
+@dataclass(frozen=True)
+class MatchReport:
+    adapter: str
+    path: str
+    model: str
+    matched: int
+    low_rank: int
+    dense: int
+    unmatched: tuple[str, ...]
+    leftover: tuple[str, ...]
+    formats: tuple[str, ...]
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.unmatched or self.leftover)
+
+    @property
+    def runtime_path(self) -> str:
+        if self.dense == 0:
+            return "low-rank"
+        return "dense" if self.low_rank == 0 else "mixed"
+
+    def line(self) -> str:
+        s = (f"{self.adapter}: {self.matched} layers matched on {self.model} "
+             f"({'+'.join(self.formats)}, path {self.runtime_path}: {self.low_rank} low-rank, {self.dense} dense)")
+        if self.unmatched:
+            s += f"; {len(self.unmatched)} unmatched, e.g. {', '.join(self.unmatched[:3])}"
+        if self.leftover:
+            s += f"; {len(self.leftover)} unparsed keys, e.g. {', '.join(self.leftover[:3])}"
+        return s
+
+    def as_dict(self) -> dict:
+        return {"adapter": self.adapter, "path": self.path, "model": self.model, "matched": self.matched,
+                "low_rank": self.low_rank, "dense": self.dense, "unmatched": list(self.unmatched),
+                "leftover": list(self.leftover), "formats": list(self.formats), "partial": self.partial,
+                "runtime_path": self.runtime_path}
+
+
+@dataclass
+class Binding:
+    adapter: Adapter
+    plans: dict[str, ModulePlan]
+    report: MatchReport
+
+
+def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Binding:
+    model_name = model_name or type(keymap.root).__name__
+    plans: dict[str, ModulePlan] = {}
+    unmatched: list[str] = []
+    for prefix, patch in adapter.layers.items():
+        target = keymap.resolve(prefix)
+        if target is None:
+            unmatched.append(prefix)
+            continue
+        module = keymap.modules[target.module]
+        plan = plans.get(target.module)
+        if plan is None:
+            plan = plans[target.module] = ModulePlan(target.module, module, Geometry.of(module))
+        _check(adapter, plan, patch, target.out_slice)
+        plan.pieces.append(Piece(patch, target.out_slice))
+    if not plans:
+        raise LoRANoMatchError(f"the adapter matches no layer of {model_name} ({len(adapter.layers)} layer keys, "
+                               f"e.g. {', '.join(list(adapter.layers)[:3])})", path=adapter.path,
+                               remedy="it is probably a LoRA for another model family")
+    low = sum(1 for p in plans.values() if p.low_rank)
+    report = MatchReport(adapter.name, adapter.path, model_name, len(plans), low, len(plans) - low,
+                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats)
+    return Binding(adapter, plans, report)
+
+
+def _check(adapter: Adapter, plan: ModulePlan, patch: LayerPatch, out_slice: tuple[int, int] | None) -> None:
+    g = plan.geometry
+    size = out_slice[1] if out_slice else g.out_features
+    if out_slice and out_slice[0] + out_slice[1] > g.out_features:
+        raise LoRAShapeError(f"slice {out_slice!r} exceeds layer {plan.name!r} with {g.out_features} outputs",
+                             path=adapter.path, key=patch.key)
+    w = patch.weight
+    if w is not None and hasattr(w, "down"):
+        want_in = (g.in_features // g.groups, *g.kernel)
+        got_in = tuple(w.down.shape[1:])
+        flat_ok = w.down[0].numel() == torch.Size(want_in).numel()
+        if (got_in != want_in and not flat_ok) or w.up.shape[0] != size:
+            raise LoRAShapeError(f"factors down {tuple(w.down.shape)!r} / up {tuple(w.up.shape)!r} do not fit "
+                                 f"layer {plan.name!r} (weight {tuple(g.weight_shape)!r}"
+                                 f"{', output slice ' + repr(out_slice) if out_slice else ''})",
+                                 path=adapter.path, key=patch.key,
+                                 remedy="the LoRA was trained for another model or model size")
+    if patch.bias is not None and patch.bias.numel() != size:
+        raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {plan.name!r} with "
+                             f"{size} outputs", path=adapter.path, key=patch.key)
+    if w is not None and not hasattr(w, "down"):
+        numel = size * torch.Size(g.weight_shape[1:]).numel()
+        got = _dense_numel(w)
+        if got is not None and got != numel:
+            raise LoRAShapeError(f"patch of {got} elements does not fit layer {plan.name!r} "
+                                 f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
+                                 remedy="the adapter was trained for another model or model size")
+
+
+def _dense_numel(w) -> int | None:
+    if hasattr(w, "diff"):
+        return w.diff.numel()
+    return None

@@ -1,0 +1,111 @@
+"""The process-wide LRU of parsed adapters.
+
+It is keyed by file identity (real path, size, mtime_ns), so an edited file is
+re-read and never served stale. It is bounded by a count and a byte budget,
+and safe to read from another thread (ComfyUI's server thread polls its stats
+while the prompt worker loads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+from .adapter import Adapter, Converter, FileIdentity, load_adapter
+
+DEFAULT_MAX_ITEMS = 16
+DEFAULT_MAX_BYTES = 4 * 1024**3
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    items: int
+    bytes: int
+    max_items: int
+    max_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class AdapterCache:
+    def __init__(self, max_items: int = DEFAULT_MAX_ITEMS, max_bytes: int = DEFAULT_MAX_BYTES):
+        self._lock = threading.RLock()
+        self._items: OrderedDict[tuple, Adapter] = OrderedDict()
+        self._bytes = 0
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.hits = self.misses = self.evictions = 0
+
+    def configure(self, *, max_items: int | None = None, max_bytes: int | None = None) -> None:
+        with self._lock:
+            if max_items is not None:
+                self.max_items = max(1, int(max_items))
+            if max_bytes is not None:
+                self.max_bytes = max(0, int(max_bytes))
+            self._evict()
+
+    def load(self, path: str, *, name: str | None = None, convert: Converter | None = None,
+             convert_id: str = "") -> Adapter:
+        """The parsed adapter for `path`, read from disk only on a miss."""
+        key = (FileIdentity.of(path), convert_id)
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return hit
+            self.misses += 1
+        adapter = load_adapter(path, name=name, convert=convert)
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._items[key] = adapter
+            self._bytes += adapter.nbytes
+            self._evict(keep=key)
+        return adapter
+
+    def _evict(self, keep: tuple | None = None) -> None:
+        for key in list(self._items):
+            if len(self._items) <= self.max_items and self._bytes <= self.max_bytes:
+                return
+            if key != keep:
+                self._bytes -= self._items.pop(key).nbytes
+                self.evictions += 1
+        if keep in self._items and self._bytes > self.max_bytes:
+            # One adapter larger than the whole budget is served, but not kept.
+            self._bytes -= self._items.pop(keep).nbytes
+            self.evictions += 1
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self.hits, self.misses, self.evictions, len(self._items), self._bytes,
+                              self.max_items, self.max_bytes)
+
+    def entries(self) -> list[dict]:
+        with self._lock:
+            return [{"name": a.name, "path": a.path, "bytes": a.nbytes, "fingerprint": a.fingerprint,
+                     "formats": list(a.formats), "layers": len(a.layers)} for a in self._items.values()]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+
+_default: AdapterCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> AdapterCache:
+    """The cache shared by every model and node in this process."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = AdapterCache()
+        return _default

@@ -1,0 +1,50 @@
+"""Typed errors. Each one names the file, the key and the remedy, so that a user
+reading one line in the ComfyUI queue knows what to fix."""
+
+from __future__ import annotations
+
+
+class LoRAError(Exception):
+    """Base class for every error the engine raises on purpose."""
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 remedy: str | None = None):
+        self.path = path
+        self.key = key
+        self.remedy = remedy
+        parts = [message]
+        if path is not None:
+            parts.append(f"file: {path!r}")
+        if key is not None:
+            parts.append(f"key: {key!r}")
+        if remedy:
+            parts.append(f"remedy: {remedy}")
+        super().__init__("; ".join(parts))
+
+
+class LoRAFileError(LoRAError):
+    """The file is missing, unreadable, truncated, corrupt or of a refused kind."""
+
+
+class LoRAFormatError(LoRAError):
+    """The file is a readable safetensors file, but not a LoRA layout we can apply."""
+
+
+class LoRAShapeError(LoRAError):
+    """A tensor's shape does not fit the layer it targets."""
+
+
+class LoRANoMatchError(LoRAError):
+    """The adapter targets no layer of this model (usually another model family)."""
+
+
+class NonFiniteError(LoRAError):
+    """A tensor, or a fused result, holds NaN or Inf."""
+
+
+class SlotLimitError(LoRAError):
+    """More adapters were requested than the model has slots for."""
+
+
+class FuseError(LoRAError):
+    """A fusion could not be carried out; the weights are left as they were."""

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import LoRAFormatError
+from ..patches import LayerPatch
+
+
+def prefixes(tensors: dict[str, torch.Tensor], suffix: str) -> list[str]:
+    return [k[: -len(suffix)] for k in tensors if k.endswith(suffix) and len(k) > len(suffix)]
+
+
+def pop_alpha(tensors: dict[str, torch.Tensor], prefix: str, consumed: list[str]) -> float | None:
+    t = tensors.pop(prefix + ".alpha", None)
+    if t is None:
+        return None
+    consumed.append(prefix + ".alpha")
+    return float(t.float().reshape(-1)[0]) if t.numel() else None
+
+
+def layer(layers: dict[str, LayerPatch], prefix: str, fmt: str, path: str) -> LayerPatch:
+    """The layer entry for `prefix`; a second weight patch for one prefix is an error."""
+    entry = layers.get(prefix)
+    if entry is None:
+        entry = layers[prefix] = LayerPatch(key=prefix, format=fmt)
+    elif entry.weight is not None:
+        raise LoRAFormatError(f"two weight patches ({entry.format} and {fmt}) target one layer", path=path,
+                              key=prefix, remedy="the file mixes formats for one layer; re-export it")
+    return entry
+
+
+PEFT_META_KEY = "lora_adapter_metadata"
+_MODEL_PREFIXES = ("transformer.", "unet.", "text_encoder.", "text_encoder_2.")
+
+
+@dataclass
+class ParseContext:
+    """The file being parsed: its path, for errors, and its header metadata.
+
+    diffusers' `save_lora_adapter` keeps PEFT's `lora_alpha` (and per-module
+    `alpha_pattern` / `rank_pattern`, `use_rslora`) only in the header, as JSON
+    under `lora_adapter_metadata`; PEFT layers without an `.alpha` key take their
+    scale from there.
+    """
+
+    path: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    _peft: dict | None = None
+
+    def peft_config(self) -> dict:
+        if self._peft is None:
+            raw = self.metadata.get(PEFT_META_KEY)
+            try:
+                doc = json.loads(raw) if raw else {}
+            except json.JSONDecodeError:
+                doc = {}
+            conf = {}
+            for k, v in (doc.items() if isinstance(doc, dict) else ()):
+                for p in _MODEL_PREFIXES:
+                    if k.startswith(p):
+                        k = k[len(p):]
+                        break
+                conf[k] = v
+            self._peft = conf
+        return self._peft
+
+    def peft_scale(self, prefix: str, rank: int) -> float | None:
+        conf = self.peft_config()
+        if "lora_alpha" not in conf:
+            return None
+        alpha = _pattern(conf.get("alpha_pattern"), prefix, conf["lora_alpha"])
+        try:
+            alpha = float(alpha)
+        except (TypeError, ValueError):
+            return None
+        return alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
+
+
+def _pattern(patterns: object, prefix: str, default: object) -> object:
+    if not isinstance(patterns, dict):
+        return default
+    module = prefix
+    for p in ("base_model.model.",) + _MODEL_PREFIXES:
+        if module.startswith(p):
+            module = module[len(p):]
+    for key, value in patterns.items():
+        if module == key or module.endswith("." + key):
+            return value
+        try:
+            if re.fullmatch(key, module):
+                return value
+        except re.error:
+            continue
+    return default

@@ -1,0 +1,63 @@
+"""LyCORIS LoHa (`hada_*`) and LoKr (`lokr_*`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..patches import LoHa, LoKr
+from ._util import ParseContext, layer, pop_alpha, prefixes
+
+LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+
+
+def _pop(tensors: dict[str, torch.Tensor], key: str, consumed: list[str]) -> torch.Tensor | None:
+    t = tensors.pop(key, None)
+    if t is not None:
+        consumed.append(key)
+    return t
+
+
+def parse_loha(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
+    found = False
+    for prefix in prefixes(tensors, ".hada_w1_a"):
+        if not all(f"{prefix}.{p}" in tensors for p in LOHA_PARTS):
+            continue
+        consumed: list[str] = []
+        w1a, w1b, w2a, w2b = (_pop(tensors, f"{prefix}.{p}", consumed) for p in LOHA_PARTS)
+        t1 = _pop(tensors, f"{prefix}.hada_t1", consumed)
+        t2 = _pop(tensors, f"{prefix}.hada_t2", consumed)
+        alpha = pop_alpha(tensors, prefix, consumed)
+        rank = w1b.shape[0]
+        entry = layer(layers, prefix, "loha", ctx.path)
+        entry.weight = LoHa(w1a, w1b, w2a, w2b, t1, t2, scale=alpha / rank if alpha is not None else 1.0)
+        entry.source_keys.extend(consumed)
+        found = True
+    return "loha" if found else None
+
+
+def parse_lokr(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
+    heads = set(prefixes(tensors, ".lokr_w1")) | set(prefixes(tensors, ".lokr_w1_a"))
+    found = False
+    for prefix in sorted(heads):
+        has_w1 = f"{prefix}.lokr_w1" in tensors or f"{prefix}.lokr_w1_b" in tensors
+        has_w2 = f"{prefix}.lokr_w2" in tensors or (f"{prefix}.lokr_w2_a" in tensors
+                                                     and f"{prefix}.lokr_w2_b" in tensors)
+        if not (has_w1 and has_w2):
+            continue
+        consumed: list[str] = []
+        parts = {p: _pop(tensors, f"{prefix}.{p}", consumed) for p in LOKR_PARTS}
+        alpha = pop_alpha(tensors, prefix, consumed)
+        # As in LyCORIS: alpha/rank applies only when a factor is itself low-rank.
+        rank = None
+        if parts["lokr_w1_b"] is not None:
+            rank = parts["lokr_w1_b"].shape[0]
+        elif parts["lokr_w2_b"] is not None:
+            rank = parts["lokr_w2_b"].shape[0]
+        scale = alpha / rank if alpha is not None and rank else 1.0
+        entry = layer(layers, prefix, "lokr", ctx.path)
+        entry.weight = LoKr(parts["lokr_w1"], parts["lokr_w1_a"], parts["lokr_w1_b"], parts["lokr_w2"],
+                            parts["lokr_w2_a"], parts["lokr_w2_b"], parts["lokr_t2"], scale=scale)
+        entry.source_keys.extend(consumed)
+        found = True
+    return "lokr" if found else None

@@ -1,0 +1,188 @@
+"""Fusing an adapter into the weights, once: W ← round(W + s·ΔW), computed in fp32.
+
+A ledger on the root module records which adapter (by content fingerprint)
+was fused at which strength, and a checksum of every weight it wrote. Rules:
+
+- the same adapter at the same strength, weights intact: a no-op;
+- the same adapter at another strength: re-fused from the unfused weight
+  (which the caller supplies), never accumulated;
+- weights replaced since (a reload into the same module): the stale ledger is
+  dropped, and the fusion happens as on fresh weights.
+
+The operation is all-or-nothing. A first pass computes and checks every new
+weight (shape, finiteness, interruption) and writes nothing; the second pass
+writes. Peak memory stays near one layer in fp32 above the model, unless the
+new weights fit `keep_bytes`, in which case the first pass keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .adapter import Adapter
+from .binding import bind
+from .errors import FuseError, LoRAError, NonFiniteError
+from .keymap import KeyMap
+
+log = logging.getLogger("lora_engine")
+
+LEDGER_ATTR = "_lora_engine_ledger"
+Originals = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
+
+
+@dataclass
+class Fusion:
+    adapter: Adapter
+    strength: float
+    modules: tuple[str, ...]
+
+
+@dataclass
+class Ledger:
+    fusions: dict[str, Fusion] = field(default_factory=dict)  # fingerprint -> fusion
+    checksums: dict[str, float] = field(default_factory=dict)  # module -> checksum of the written weight
+
+    def describe(self) -> list[dict]:
+        return [{"adapter": f.adapter.name, "fingerprint": fp, "strength": f.strength, "layers": len(f.modules)}
+                for fp, f in self.fusions.items()]
+
+
+@dataclass(frozen=True)
+class FuseResult:
+    fused: bool
+    layers: int
+    reason: str
+
+
+def ledger_of(root: nn.Module) -> Ledger | None:
+    return root.__dict__.get(LEDGER_ATTR)
+
+
+def _checksum(w: torch.Tensor) -> float:
+    return float(w.detach().double().sum()) + float(w.detach().double().abs().sum()) * 1e-3
+
+
+def _intact(root_modules: dict[str, nn.Module], ledger: Ledger) -> bool:
+    for name, cs in ledger.checksums.items():
+        m = root_modules.get(name)
+        if m is None or _checksum(m.weight) != cs:
+            return False
+    return True
+
+
+def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap | None = None,
+         originals: Originals | None = None, progress: Callable[[int, int], None] | None = None,
+         check: Callable[[], None] | None = None, keep_bytes: int = 256 * 1024**2,
+         model_name: str | None = None) -> FuseResult:
+    """Fuse `adapter` at `strength` into `root`'s weights. See the module docstring for the rules.
+
+    `progress(done, total)` is called per layer; `check()` may raise to interrupt (first pass only).
+    """
+    keymap = keymap or KeyMap(root)
+    strength = float(strength)
+    if not torch.isfinite(torch.tensor(strength)):
+        raise NonFiniteError(f"strength {strength!r} is not finite", path=adapter.path)
+    ledger = ledger_of(root)
+    if ledger is not None and not _intact(keymap.modules, ledger):
+        log.info("lora_engine: weights of %s were replaced since the last fusion; the old ledger is dropped",
+                 model_name or type(root).__name__)
+        ledger = None
+        del root.__dict__[LEDGER_ATTR]
+    prior = ledger.fusions.get(adapter.fingerprint) if ledger else None
+    if prior is not None and prior.strength == strength:
+        log.info("lora_engine: %s is already fused at strength %s; nothing to do", adapter.name, strength)
+        return FuseResult(False, 0, "already fused")
+
+    binding = bind(adapter, keymap, model_name)
+    plans = binding.plans
+    # Layers to rewrite, and the strength each other fusion contributes to them.
+    others = [f for fp, f in (ledger.fusions.items() if ledger else ()) if fp != adapter.fingerprint]
+    refuse = prior is not None
+    if refuse and originals is None:
+        raise FuseError(f"{adapter.name} is fused at strength {prior.strength}; re-fusing at {strength} needs the "
+                        "unfused weights", path=adapter.path,
+                        remedy="reload the model from disk, or pass originals= to fuse()")
+    names = sorted(set(plans) | (set(prior.modules) if prior else set()))
+
+    def new_weight(name: str) -> torch.Tensor:
+        module = keymap.modules[name]
+        w = module.weight
+        if refuse:
+            base = (originals(name) if callable(originals) else originals[name]).to(w.device, torch.float32)
+            for f in others:
+                if name in f.modules:
+                    base += f.strength * _delta(f.adapter, keymap, name, base, model_name)
+        else:
+            base = w.detach().to(torch.float32)
+        if name in plans:
+            d = plans[name].dense(base)
+            if d is not None:
+                base = base + strength * d.to(base.device).reshape(base.shape)
+        return base
+
+    kept: dict[str, torch.Tensor] = {}
+    kept_bytes = 0
+    total = len(names)
+    try:
+        for i, name in enumerate(names):
+            if check is not None:
+                check()
+            nw = new_weight(name)
+            if not bool(torch.isfinite(nw).all()):
+                raise NonFiniteError(f"fusing gives NaN or Inf in layer {name!r}", path=adapter.path,
+                                     remedy="the LoRA is broken, or the strength too large for this dtype")
+            w = keymap.modules[name].weight
+            out = nw.to(w.dtype)
+            if w.dtype.is_floating_point and w.element_size() > 1 and not bool(torch.isfinite(out).all()):
+                raise NonFiniteError(f"layer {name!r} overflows {w.dtype} after fusing", path=adapter.path)
+            nbytes = out.numel() * out.element_size()
+            if kept_bytes + nbytes <= keep_bytes:
+                kept[name] = out
+                kept_bytes += nbytes
+            if progress is not None:
+                progress(i + 1, 2 * total)
+    except LoRAError:
+        raise
+    except Exception as e:
+        if e.__class__.__name__ == "InterruptProcessingException":
+            raise
+        raise FuseError(f"fusion failed before any weight was written: {e}", path=adapter.path) from e
+
+    ledger = ledger or Ledger()
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            w = keymap.modules[name].weight
+            out = kept.pop(name, None)
+            if out is None:
+                out = new_weight(name).to(w.dtype)
+            w.data.copy_(out)
+            ledger.checksums[name] = _checksum(w)
+            _fuse_bias(keymap.modules[name], plans.get(name), strength - (prior.strength if prior else 0.0))
+            if progress is not None:
+                progress(total + i + 1, 2 * total)
+    ledger.fusions[adapter.fingerprint] = Fusion(adapter, strength, tuple(names))
+    root.__dict__[LEDGER_ATTR] = ledger
+    log.info("lora_engine: fused %s at strength %s into %d layers", adapter.name, strength, len(names))
+    return FuseResult(True, len(names), "re-fused from the unfused weights" if refuse else "fused")
+
+
+def _fuse_bias(module: nn.Module, plan, strength: float) -> None:
+    db = plan.bias() if plan is not None else None
+    if db is None or strength == 0.0:
+        return
+    if getattr(module, "bias", None) is None:
+        raise FuseError(f"the adapter has a bias diff for {plan.name!r}, which has no bias",
+                        key=plan.name)
+    b = module.bias
+    b.data.copy_((b.detach().float() + strength * db.to(b.device)).to(b.dtype))
+
+
+def _delta(adapter: Adapter, keymap: KeyMap, name: str, base: torch.Tensor, model_name: str | None) -> torch.Tensor:
+    plan = bind(adapter, keymap, model_name).plans.get(name)
+    d = plan.dense(base) if plan is not None else None
+    return torch.zeros_like(base) if d is None else d.to(base.device).reshape(base.shape)

@@ -1,0 +1,99 @@
+"""From a file's key prefix to a layer of the model.
+
+A host passes its own mapping (ComfyUI passes `model_lora_keys_unet` /
+`model_lora_keys_clip`): prefix -> weight key, or prefix -> (weight key,
+(dim, start, size)) when the adapter covers a slice of a fused layer (Flux's
+qkv). Without one, the defaults resolve dotted PEFT/diffusers names and kohya
+underscore names against `named_modules()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+# Prefixes that name the model part in a file rather than a module path.
+DOTTED_PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.", "unet.", "text_encoder.", "model.")
+KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_", "lora_te1_", "lora_te2_", "lora_te_", "lycoris_", "lora_")
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str
+    out_slice: tuple[int, int] | None = None  # (start, size) along the output dimension
+
+
+class KeyMap:
+    def __init__(self, root: nn.Module, mapping: Mapping[str, object] | None = None, *,
+                 defaults: bool = True, module_prefix: str = ""):
+        self.root = root
+        self.module_prefix = module_prefix
+        self._explicit: dict[str, Target | None] = {}
+        for prefix, value in (mapping or {}).items():
+            self._explicit[prefix] = self._normalise(value)
+        self._defaults = defaults
+        self._modules: dict[str, nn.Module] | None = None
+        self._underscore: dict[str, str] | None = None
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        if self._modules is None:
+            self._modules = {n: m for n, m in self.root.named_modules() if isinstance(m, SUPPORTED)}
+        return self._modules
+
+    def _normalise(self, value: object) -> Target | None:
+        out_slice = None
+        if isinstance(value, tuple):
+            value, spec = value[0], value[1]
+            dim, start, size = spec
+            if dim != 0:
+                return None
+            out_slice = (int(start), int(size))
+        name = str(value)
+        if name.endswith(".weight"):
+            name = name[: -len(".weight")]
+        if self.module_prefix and name.startswith(self.module_prefix):
+            name = name[len(self.module_prefix):]
+        return Target(name, out_slice)
+
+    def resolve(self, prefix: str) -> Target | None:
+        target = self._explicit.get(prefix)
+        if target is not None and target.module in self.modules:
+            return target
+        if not self._defaults:
+            return None
+        return self._default(prefix)
+
+    def _default(self, prefix: str) -> Target | None:
+        mods = self.modules
+        for cand in _dotted_candidates(prefix):
+            for name in (cand, cand + ".0"):  # diffusers `to_out` is a ModuleList around the Linear
+                if name in mods:
+                    return Target(name)
+        if self._underscore is None:
+            self._underscore = {n.replace(".", "_"): n for n in mods}
+        for p in KOHYA_PREFIXES:
+            if prefix.startswith(p):
+                name = self._underscore.get(prefix[len(p):])
+                if name is not None:
+                    return Target(name)
+        name = self._underscore.get(prefix)
+        return Target(name) if name is not None else None
+
+
+def _dotted_candidates(prefix: str) -> list[str]:
+    key = prefix.replace(".processor.", ".")
+    out = [key]
+    changed = True
+    while changed:
+        changed = False
+        for p in DOTTED_PREFIXES:
+            if key.startswith(p):
+                key = key[len(p):]
+                out.append(key)
+                changed = True
+    return out

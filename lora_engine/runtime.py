@@ -1,0 +1,110 @@
+"""The forward path of one layer with N adapter slots of rank R.
+
+For a Linear layer f with input x:
+
+    h = x · A_catᵀ                    A_cat: [N·R, in]     (one GEMM)
+    h = h ⊙ s                         s: [N] or [batch, N], broadcast over each slot's R columns
+    y = f(x) + h · B_catᵀ             B_cat: [out, N·R]    (one GEMM, in place when allowed)
+
+A Conv layer uses A as a kernel-shaped conv with the layer's stride, padding
+and dilation, and B as a 1×1 conv. Adapters that cannot run in low rank
+(DoRA, LoHa, LoKr, full diffs, grouped convs) add s_i · f_ΔWi(x) per slot.
+Only the layer's output is used, never its weight, so fp8, GGUF, offloaded
+and manually cast layers work unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_CONV = (None, F.conv1d, F.conv2d, F.conv3d)
+
+
+def item_scale(scale: torch.Tensor, batch: int) -> torch.Tensor:
+    """Per-item strengths [B, N] tiled to an input batch that stacks B-item chunks (cond/uncond)."""
+    items = scale.shape[0]
+    if batch == items:
+        return scale
+    if batch % items:
+        raise ValueError(f"per-item strengths are set for {items} items, but the layer input has batch {batch}; "
+                         "the batch must be a multiple of the number of items")
+    return scale.repeat(batch // items, 1)
+
+
+def _lr_linear(x, a, b, n, scale, out):
+    h = F.linear(x, a)
+    if scale.dim() == 1:
+        h = (h.unflatten(-1, (n, -1)) * scale.unsqueeze(-1)).flatten(-2)
+    else:
+        s = item_scale(scale, x.shape[0])
+        shape = (s.shape[0],) + (1,) * (h.dim() - 2) + (n, 1)
+        h = (h.unflatten(-1, (n, -1)) * s.reshape(shape)).flatten(-2)
+    return _add(out, h, b)
+
+
+def _add(out, h, b):
+    if (not torch.is_grad_enabled() and out.dtype == h.dtype and out.is_contiguous()
+            and h.dim() >= 1 and out.shape[:-1] == h.shape[:-1]):
+        out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), b.t())
+        return out
+    return out + F.linear(h, b).to(out.dtype)
+
+
+def _lr_conv(x, geom, a, b, n, scale, out):
+    conv = _CONV[geom.conv_dims]
+    h = conv(x, a, None, geom.stride, geom.padding, geom.dilation)
+    spatial = h.shape[2:]
+    h = h.unflatten(1, (n, -1))
+    if scale.dim() == 1:
+        s = scale.reshape(1, n, 1, *[1] * len(spatial))
+    else:
+        s = item_scale(scale, x.shape[0])
+        s = s.reshape(s.shape[0], n, 1, *[1] * len(spatial))
+    h = (h * s).flatten(1, 2)
+    y = conv(h, b.reshape(*b.shape, *[1] * len(spatial)))
+    return _inplace_add(out, y)
+
+
+def _inplace_add(out, y):
+    if not torch.is_grad_enabled() and out.dtype == y.dtype and out.shape == y.shape:
+        return out.add_(y)
+    return out + y.to(out.dtype)
+
+
+def _slot_scale(scale: torch.Tensor, slot: int, batch: int, dims: int, channel_last: bool) -> torch.Tensor:
+    if scale.dim() == 1:
+        return scale[slot]
+    s = item_scale(scale, batch)[:, slot]
+    return s.reshape(s.shape[0], *[1] * (dims - 1))
+
+
+def _dense(module_op, x, geom, delta, s):
+    if geom.conv_dims == 0:
+        return F.linear(x, delta) * s
+    if geom.padding_mode != "zeros":
+        pad = module_op._reversed_padding_repeated_twice
+        x = F.pad(x, pad, mode=geom.padding_mode)
+        padding = 0
+    else:
+        padding = geom.padding
+    return _CONV[geom.conv_dims](x, delta, None, geom.stride, padding, geom.dilation, geom.groups) * s
+
+
+def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`out` plus every active slot's contribution; `layer` is the module's `LayerSlots`."""
+    geom = layer.geometry
+    xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
+    if layer.a is not None and layer.lr_used:
+        if geom.conv_dims == 0:
+            out = _lr_linear(xd, layer.a, layer.b, layer.n, scale, out)
+        else:
+            out = _lr_conv(xd, geom, layer.a, layer.b, layer.n, scale, out)
+    for slot, delta in layer.dense.items():
+        s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
+        out = _inplace_add(out, _dense(module, xd, geom, delta, s).to(out.dtype))
+    for slot, bias in layer.bias.items():
+        s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
+        shape = (-1,) if geom.conv_dims == 0 else (-1,) + (1,) * geom.conv_dims
+        out = _inplace_add(out, (bias.reshape(shape) * s).to(out.dtype))
+    return out

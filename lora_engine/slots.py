@@ -1,0 +1,378 @@
+"""Per-model slot buffers and the activation rules.
+
+A `SlotBank` owns `max_loras` slots on one root module. Each targeted layer
+holds A [N·R, in, *k] and B [out, N·R] on the compute device, R padded to the
+layer's slot rank, so shapes stay fixed while adapters and strengths change.
+
+Activation compares the requested set as a set: resident adapters keep their
+slot, only newcomers are copied (non-blocking), an adapter left out releases
+its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
+or [batch, N]; changing them is a tensor write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import runtime
+from .adapter import Adapter
+from .binding import Binding, Geometry, MatchReport, ModulePlan, bind
+from .errors import LoRAShapeError, NonFiniteError, SlotLimitError
+from .keymap import KeyMap
+
+Strength = float | Sequence[float] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class Activation:
+    """What one `activate` call did."""
+
+    copied: tuple[str, ...]
+    kept: tuple[str, ...]
+    released: tuple[str, ...]
+    bytes_copied: int
+
+
+class LayerSlots:
+    """One layer's buffers and its forward hook."""
+
+    def __init__(self, bank: SlotBank, name: str, module: nn.Module):
+        self.bank = bank
+        self.name = name
+        self.geometry = Geometry.of(module)
+        self.n = bank.max_loras
+        self.dtype = bank.dtype
+        self.rank = 0
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.lr_used: set[int] = set()
+        self.dense: dict[int, torch.Tensor] = {}
+        self.bias: dict[int, torch.Tensor] = {}
+        self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.lr_used or self.dense or self.bias)
+
+    def nbytes(self) -> int:
+        ts = [self.a, self.b, *self.dense.values(), *self.bias.values()]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def _hook(self, module, args, kwargs, out):
+        bank = self.bank
+        if not bank.active or bank.all_zero or self.empty:
+            return None
+        x = args[0] if args else next(iter(kwargs.values()))
+        if x.device != bank.device:
+            bank.to(x.device)
+        return runtime.apply(self, module, x, out, bank.scale)
+
+    def ensure_rank(self, rank: int) -> None:
+        if rank <= self.rank:
+            return
+        g, dev = self.geometry, self.bank.device
+        a = torch.zeros((self.n * rank, g.in_features, *g.kernel), dtype=self.dtype, device=dev)
+        b = torch.zeros((g.out_features, self.n * rank), dtype=self.dtype, device=dev)
+        if self.a is not None:
+            for i in self.lr_used:
+                a[i * rank:i * rank + self.rank] = self.a[i * self.rank:(i + 1) * self.rank]
+                b[:, i * rank:i * rank + self.rank] = self.b[:, i * self.rank:(i + 1) * self.rank]
+        self.a, self.b, self.rank = a, b, rank
+        self.bank.reallocations += 1
+
+    def clear(self, slot: int) -> None:
+        if slot in self.lr_used:
+            self.a[slot * self.rank:(slot + 1) * self.rank].zero_()
+            self.b[:, slot * self.rank:(slot + 1) * self.rank].zero_()
+            self.lr_used.discard(slot)
+        self.dense.pop(slot, None)
+        self.bias.pop(slot, None)
+
+    def to(self, device: torch.device) -> None:
+        if self.a is not None:
+            self.a, self.b = self.a.to(device), self.b.to(device)
+        self.dense = {k: v.to(device) for k, v in self.dense.items()}
+        self.bias = {k: v.to(device) for k, v in self.bias.items()}
+
+
+class SlotBank:
+    """The runtime adapter state of one model. Use `SlotBank.of(root)` to share one per module."""
+
+    BINDINGS_KEPT = 32
+
+    def __init__(self, root: nn.Module, *, max_loras: int = 4, keymap: KeyMap | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 model_name: str | None = None, weight_fn=None, slot_rank: int = 0):
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
+        self.root = root
+        self.max_loras = max_loras
+        self.keymap = keymap or KeyMap(root)
+        self.model_name = model_name or type(root).__name__
+        self.weight_fn = weight_fn or _module_weight
+        params = [p for p in root.parameters()]
+        self.device = torch.device(device) if device is not None else (params[0].device if params else
+                                                                       torch.device("cpu"))
+        self.dtype = dtype or _compute_dtype(params)
+        self.slots: list[Adapter | None] = [None] * max_loras
+        self.layers: dict[str, LayerSlots] = {}
+        self._bindings: OrderedDict[int, Binding] = OrderedDict()
+        self.slot_rank = slot_rank
+        self._strengths = torch.zeros(max_loras, dtype=self.dtype, device=self.device)
+        self._item_strengths: torch.Tensor | None = None
+        self.scale = self._strengths
+        self.all_zero = True
+        self.active = False
+        self.lock = threading.RLock()
+        self.copies = 0
+        self.bytes_copied = 0
+        self.reallocations = 0
+
+    # -- sharing ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def of(cls, root: nn.Module, **kwargs) -> SlotBank:
+        """The bank attached to `root`, created on first use. Growing `max_loras` rebuilds it."""
+        bank = root.__dict__.get("_lora_engine_bank")
+        want = kwargs.get("max_loras", 4)
+        if bank is not None and bank.max_loras < want:
+            bank.release()
+            bank = None
+        if bank is None:
+            bank = cls(root, **kwargs)
+            root.__dict__["_lora_engine_bank"] = bank
+        return bank
+
+    # -- binding ---------------------------------------------------------------------------------------
+
+    def binding(self, adapter: Adapter) -> Binding:
+        key = id(adapter)
+        b = self._bindings.get(key)
+        if b is None or b.adapter is not adapter:
+            b = bind(adapter, self.keymap, self.model_name)
+            self._bindings[key] = b
+            while len(self._bindings) > self.BINDINGS_KEPT:
+                old_key = next(iter(self._bindings))
+                if any(a is self._bindings[old_key].adapter for a in self.slots):
+                    self._bindings.move_to_end(old_key)
+                    break
+                del self._bindings[old_key]
+        self._bindings.move_to_end(key)
+        return b
+
+    def report(self, adapter: Adapter) -> MatchReport:
+        return self.binding(adapter).report
+
+    # -- activation ------------------------------------------------------------------------------------
+
+    def activate(self, entries: Iterable[tuple[Adapter, Strength]]) -> Activation:
+        """Make exactly these adapters active, at these strengths. All-or-nothing: a bad adapter
+        raises before any slot changes."""
+        with self.lock:
+            merged: dict[int, tuple[Adapter, Strength]] = {}
+            for adapter, strength in entries:
+                prev = merged.get(id(adapter))
+                merged[id(adapter)] = (adapter, strength if prev is None else _add_strength(prev[1], strength))
+            wanted = [a for a, _ in merged.values()]
+            if len(wanted) > self.max_loras:
+                names = ", ".join(a.name for a in wanted)
+                raise SlotLimitError(f"{len(wanted)} adapters requested ({names}) but this model has "
+                                     f"max_loras={self.max_loras} slots",
+                                     remedy="raise max_loras, or disable entries in the stack")
+            strengths = _strength_table([s for _, s in merged.values()])
+            bindings = [self.binding(a) for a in wanted]  # raises before any state changes
+            staged = {id(b.adapter): self._stage(b) for b in bindings if not self._resident(b.adapter)}
+
+            released = []
+            for i, a in enumerate(self.slots):
+                if a is not None and id(a) not in merged:
+                    self._clear_slot(i)
+                    released.append(a.name)
+            kept, copied, nbytes = [], [], 0
+            for b in bindings:
+                if self._resident(b.adapter):
+                    kept.append(b.adapter.name)
+                    continue
+                slot = self.slots.index(None)
+                nbytes += self._write(slot, b, staged[id(b.adapter)])
+                self.slots[slot] = b.adapter
+                copied.append(b.adapter.name)
+            self._set_strengths({self._slot_of(a): strengths[:, j] if strengths.dim() == 2 else strengths[j]
+                                 for j, a in enumerate(wanted)}, batch=strengths.shape[0]
+                                if strengths.dim() == 2 else None)
+            self.active = True
+            self.copies += len(copied)
+            self.bytes_copied += nbytes
+            return Activation(tuple(copied), tuple(kept), tuple(released), nbytes)
+
+    def set_strength(self, adapter: Adapter, value: Strength) -> None:
+        """Change one resident adapter's strength: a tensor write, nothing else."""
+        with self.lock:
+            slot = self._slot_of(adapter)
+            table = {i: (self.scale[:, i] if self.scale.dim() == 2 else self.scale[i]).clone()
+                     for i, a in enumerate(self.slots) if a is not None}
+            t = _strength_table([value])
+            table[slot] = t[:, 0] if t.dim() == 2 else t[0]
+            batch = next((v.shape[0] for v in table.values() if v.dim() == 1), None)
+            self._set_strengths(table, batch)
+
+    def deactivate(self) -> None:
+        """Hooks become no-ops; slots stay warm for the next activation."""
+        self.active = False
+
+    @contextlib.contextmanager
+    def using(self, entries: Iterable[tuple[Adapter, Strength]]):
+        """Activate for the duration of a block: how several model objects share one base module."""
+        with self.lock:
+            self.activate(entries)
+            try:
+                yield self
+            finally:
+                self.deactivate()
+
+    def release(self) -> None:
+        """Free every slot and remove every hook."""
+        with self.lock:
+            for layer in self.layers.values():
+                layer.handle.remove()
+            self.layers.clear()
+            self.slots = [None] * self.max_loras
+            self._bindings.clear()
+            self.active = False
+            if self.root.__dict__.get("_lora_engine_bank") is self:
+                del self.root.__dict__["_lora_engine_bank"]
+
+    def to(self, device: torch.device) -> None:
+        with self.lock:
+            for layer in self.layers.values():
+                layer.to(device)
+            self._strengths = self._strengths.to(device)
+            if self._item_strengths is not None:
+                self._item_strengths = self._item_strengths.to(device)
+            self.scale = self.scale.to(device)
+            self.device = torch.device(device)
+
+    # -- state for status routes -----------------------------------------------------------------------
+
+    def occupancy(self) -> dict:
+        with self.lock:
+            scale = self.scale.detach().cpu()
+            return {
+                "model": self.model_name, "max_loras": self.max_loras, "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""), "active": self.active,
+                "layers": len(self.layers), "bytes": sum(layer.nbytes() for layer in self.layers.values()),
+                "slots": [None if a is None else {
+                    "name": a.name, "fingerprint": a.fingerprint,
+                    "strength": scale[i].item() if scale.dim() == 1 else scale[:, i].tolist()}
+                    for i, a in enumerate(self.slots)],
+            }
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _resident(self, adapter: Adapter) -> bool:
+        return any(a is adapter for a in self.slots)
+
+    def _slot_of(self, adapter: Adapter) -> int:
+        for i, a in enumerate(self.slots):
+            if a is adapter:
+                return i
+        raise KeyError(f"{adapter.name!r} is not resident in a slot of {self.model_name}")
+
+    def _stage(self, b: Binding) -> dict[str, tuple]:
+        """Everything a newcomer needs, computed on the host before any slot is touched."""
+        staged = {}
+        for name, plan in b.plans.items():
+            if plan.low_rank:
+                lr = plan.factors(self.dtype) if plan.rank else None
+                staged[name] = ("low-rank", lr, plan.bias())
+            else:
+                base = self.weight_fn(plan.module) if any(p.patch.dora_scale is not None
+                                                          for p in plan.pieces) else None
+                delta = plan.dense(base)
+                if delta is not None and not bool(torch.isfinite(delta).all()):
+                    raise NonFiniteError(f"the dense delta of layer {name!r} is not finite", path=b.adapter.path)
+                staged[name] = ("dense", delta, plan.bias())
+        return staged
+
+    def _write(self, slot: int, b: Binding, staged: dict[str, tuple]) -> int:
+        nbytes = 0
+        for name, (kind, payload, bias) in staged.items():
+            layer = self.layers.get(name)
+            if layer is None:
+                layer = self.layers[name] = LayerSlots(self, name, b.plans[name].module)
+            if kind == "low-rank" and payload is not None:
+                a, bm = payload
+                r = a.shape[0]
+                layer.ensure_rank(max(r, self.slot_rank))
+                lo = slot * layer.rank
+                layer.a[lo:lo + r].copy_(a, non_blocking=True)
+                layer.b[:, lo:lo + r].copy_(bm, non_blocking=True)
+                layer.lr_used.add(slot)
+                nbytes += a.numel() * a.element_size() + bm.numel() * bm.element_size()
+            elif kind == "dense" and payload is not None:
+                layer.dense[slot] = payload.to(device=self.device, dtype=self.dtype, non_blocking=True)
+                nbytes += payload.numel() * layer.dense[slot].element_size()
+            if bias is not None:
+                layer.bias[slot] = bias.to(device=self.device, dtype=self.dtype, non_blocking=True)
+                nbytes += bias.numel() * layer.bias[slot].element_size()
+        return nbytes
+
+    def _clear_slot(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+        self.slots[slot] = None
+
+    def _set_strengths(self, table: dict[int, torch.Tensor], batch: int | None) -> None:
+        if batch is None:
+            values = torch.zeros(self.max_loras, dtype=torch.float32)
+            for i, v in table.items():
+                values[i] = v
+            self._strengths.copy_(values)
+            self.scale = self._strengths
+        else:
+            values = torch.zeros(batch, self.max_loras, dtype=torch.float32)
+            for i, v in table.items():
+                values[:, i] = v
+            if self._item_strengths is None or self._item_strengths.shape != values.shape:
+                self._item_strengths = torch.empty(values.shape, dtype=self.dtype, device=self.device)
+            self._item_strengths.copy_(values)
+            self.scale = self._item_strengths
+        self.all_zero = not bool(values.any())
+
+
+def _add_strength(a: Strength, b: Strength) -> torch.Tensor:
+    return torch.as_tensor(a, dtype=torch.float32) + torch.as_tensor(b, dtype=torch.float32)
+
+
+def _strength_table(values: list[Strength]) -> torch.Tensor:
+    """[N] when every strength is a number, else [batch, N]."""
+    ts = [torch.as_tensor(v, dtype=torch.float32).detach().cpu().reshape(-1) for v in values]
+    if not all(bool(torch.isfinite(t).all()) for t in ts):
+        raise NonFiniteError("a strength is NaN or Inf", remedy="use finite strengths")
+    if all(t.numel() == 1 for t in ts):
+        return torch.stack([t[0] for t in ts]) if ts else torch.zeros(0)
+    batch = max(t.numel() for t in ts)
+    for t in ts:
+        if t.numel() not in (1, batch):
+            raise LoRAShapeError(f"per-item strengths of different lengths ({t.numel()} and {batch})")
+    return torch.stack([t.expand(batch) if t.numel() == 1 else t for t in ts], dim=1)
+
+
+def _compute_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    for p in params:
+        if p.is_floating_point():
+            if p.element_size() == 1:
+                return torch.bfloat16
+            return p.dtype
+    return torch.float32
+
+
+def _module_weight(module: nn.Module) -> torch.Tensor:
+    return module.weight.detach()

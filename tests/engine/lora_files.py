@@ -1,0 +1,159 @@
+"""Tiny models and adapter files in every supported layout, for engine tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+
+class Tiny(nn.Module):
+    """Linear and Conv layers, named as a diffusers block would name them."""
+
+    def __init__(self, dim: int = 16, ch: int = 6):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, ch, 3, padding=1)
+        self.conv_mid = nn.Conv2d(ch, ch, 3, padding=1)
+        self.proj = nn.Linear(ch * 4 * 4, dim)
+        self.attn = nn.Module()
+        self.attn.to_q = nn.Linear(dim, dim)
+        self.attn.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.ff = nn.Linear(dim, dim * 2)
+        self.head = nn.Linear(dim * 2, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.conv_mid(torch.relu(self.conv_in(x))))
+        h = self.proj(h.flatten(1))
+        h = h + self.attn.to_out[0](torch.tanh(self.attn.to_q(h)))
+        return self.head(torch.relu(self.ff(h)))
+
+
+def tiny(seed: int = 0) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny().eval()
+
+
+def tiny_input(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, 4, 4, generator=g)
+
+
+LAYERS = ("conv_in", "conv_mid", "proj", "attn.to_q", "attn.to_out.0", "ff", "head")
+
+
+def weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    mods = dict(model.named_modules())
+    return {n: mods[n].weight.shape for n in LAYERS}
+
+
+def _rand(g, *shape, std=0.3):
+    return torch.randn(*shape, generator=g) * std
+
+
+def lora_tensors(model: nn.Module, layout: str, seed: int, rank: int = 3, alpha: float | None = 2.0,
+                 layers=LAYERS) -> dict[str, torch.Tensor]:
+    """A low-rank adapter in `layout`: kohya, peft, peft-default, diffusers, or locon-mid (kohya with lora_mid)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = weight_shapes(model)
+    out = {}
+    for name in layers:
+        shape = shapes[name]
+        o, i, k = shape[0], shape[1], tuple(shape[2:])
+        up = _rand(g, o, rank, *([1] * len(k)))
+        if layout == "locon-mid" and k:
+            down = _rand(g, rank, i, *([1] * len(k)))
+            mid = _rand(g, rank, rank, *k)
+        else:
+            down, mid = _rand(g, rank, i, *k), None
+        if layout in ("kohya", "locon-mid"):
+            p = "lora_unet_" + name.replace(".", "_")
+            out[f"{p}.lora_down.weight"], out[f"{p}.lora_up.weight"] = down, up
+            if mid is not None:
+                out[f"{p}.lora_mid.weight"] = mid
+        elif layout == "peft":
+            p = "unet." + name
+            out[f"{p}.lora_A.weight"], out[f"{p}.lora_B.weight"] = down, up
+        elif layout == "peft-default":
+            p = "base_model.model." + name
+            out[f"{p}.lora_A.default.weight"], out[f"{p}.lora_B.default.weight"] = down, up
+        elif layout == "diffusers":
+            p = "unet." + name
+            out[f"{p}.lora.down.weight"], out[f"{p}.lora.up.weight"] = down, up
+        else:
+            raise ValueError(layout)
+        if alpha is not None:
+            out[f"{p}.alpha"] = torch.tensor(float(alpha))
+    return out
+
+
+def expected_delta(tensors: dict[str, torch.Tensor], prefix: str, shape: torch.Size) -> torch.Tensor:
+    """ΔW of a kohya-style entry, computed independently of the engine."""
+    sfx = {"kohya": (".lora_down.weight", ".lora_up.weight")}["kohya"]
+    down, up = tensors[prefix + sfx[0]].double(), tensors[prefix + sfx[1]].double()
+    rank = down.shape[0]
+    alpha = float(tensors[prefix + ".alpha"]) if prefix + ".alpha" in tensors else rank
+    mid = tensors.get(prefix + ".lora_mid.weight")
+    if mid is not None:
+        down = torch.einsum("ijhw,jn->inhw", mid.double(), down.reshape(rank, -1))
+    return (up.reshape(up.shape[0], -1) @ down.reshape(rank, -1)).reshape(shape) * (alpha / rank)
+
+
+def loha_tensors(model: nn.Module, seed: int, rank: int = 2, alpha: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(model).items():
+        p = "lora_unet_" + name.replace(".", "_")
+        o, rest = shape[0], shape[1:].numel()
+        out[f"{p}.hada_w1_a"], out[f"{p}.hada_w1_b"] = _rand(g, o, rank, std=0.8), _rand(g, rank, rest, std=0.8)
+        out[f"{p}.hada_w2_a"], out[f"{p}.hada_w2_b"] = _rand(g, o, rank, std=0.8), _rand(g, rank, rest, std=0.8)
+        out[f"{p}.alpha"] = torch.tensor(alpha)
+    return out
+
+
+def lokr_tensors(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """LoKr with a full w1 and a low-rank w2 (alpha/rank applies)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(model).items():
+        o, i = shape[0], shape[1]
+        a = 2 if o % 2 == 0 else 1
+        b = 3 if i % 3 == 0 else 1
+        p = "lora_unet_" + name.replace(".", "_")
+        out[f"{p}.lokr_w1"] = _rand(g, a, b)
+        out[f"{p}.lokr_w2_a"] = _rand(g, o // a, 2)
+        out[f"{p}.lokr_w2_b"] = _rand(g, 2, (i // b) * shape[2:].numel())
+        out[f"{p}.alpha"] = torch.tensor(1.0)
+    return out
+
+
+def diff_tensors(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mods = dict(model.named_modules())
+    out = {}
+    for name, shape in weight_shapes(model).items():
+        p = "diffusion_model." + name
+        out[f"{p}.diff"] = _rand(g, *shape, std=0.05)
+        out[f"{p}.diff_b"] = _rand(g, *mods[name].bias.shape, std=0.05)
+    return out
+
+
+def dora_tensors(model: nn.Module, seed: int, axis: str = "input") -> dict[str, torch.Tensor]:
+    """Kohya LoRA plus `dora_scale` ([1, in] on the input axis, [out, 1] on the output axis)."""
+    out = lora_tensors(model, "kohya", seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    for name, shape in weight_shapes(model).items():
+        p = "lora_unet_" + name.replace(".", "_")
+        if axis == "input":
+            mag = 1.0 + _rand(g, 1, shape[1], *([1] * (len(shape) - 2)), std=0.1)
+        else:
+            mag = 1.0 + _rand(g, shape[0], *([1] * (len(shape) - 1)), std=0.1)
+        out[f"{p}.dora_scale"] = mag
+    return out
+
+
+def write(tmp_path, name: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> str:
+    path = os.path.join(str(tmp_path), name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+    return path

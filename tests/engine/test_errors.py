@@ -1,0 +1,202 @@
+"""Bad files raise the engine's typed errors, naming the file and the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+
+from lora_engine import (LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError, NonFiniteError,
+                         SlotBank, load_adapter)
+
+from . import lora_files as lf
+
+
+def good(tmp_path, name="good.safetensors"):
+    return lf.write(tmp_path, name, lf.lora_tensors(lf.tiny(), "kohya", 1))
+
+
+def raw_safetensors(path, header: dict, data: bytes = b""):
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+    return str(path)
+
+
+def truncated(tmp_path):
+    src = good(tmp_path, "src.safetensors")
+    data = open(src, "rb").read()
+    p = tmp_path / "truncated.safetensors"
+    p.write_bytes(data[: len(data) // 2])
+    return str(p)
+
+
+def pickled(tmp_path):
+    p = tmp_path / "pickled.safetensors"
+    p.write_bytes(pickle.dumps({"a": 1}))
+    return str(p)
+
+
+def torch_zip(tmp_path):
+    p = tmp_path / "model.safetensors"
+    torch.save({"a": torch.zeros(1)}, p)
+    return str(p)
+
+
+def ckpt(tmp_path):
+    p = tmp_path / "model.ckpt"
+    p.write_bytes(b"anything")
+    return str(p)
+
+
+def huge_header(tmp_path):
+    p = tmp_path / "huge.safetensors"
+    p.write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    return str(p)
+
+
+def bad_json(tmp_path):
+    p = tmp_path / "badjson.safetensors"
+    p.write_bytes(struct.pack("<Q", 5) + b"{nope")
+    return str(p)
+
+
+def out_of_range(tmp_path):
+    return raw_safetensors(tmp_path / "range.safetensors",
+                           {"x.lora_down.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 1600]}},
+                           b"\0" * 16)
+
+
+def overlapping(tmp_path):
+    return raw_safetensors(tmp_path / "overlap.safetensors",
+                           {"x.lora_down.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+                            "x.lora_up.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}},
+                           b"\0" * 24)
+
+
+def unknown_dtype(tmp_path):
+    return raw_safetensors(tmp_path / "dtype.safetensors",
+                           {"x.lora_down.weight": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, b"\0\0")
+
+
+def wrong_size(tmp_path):
+    return raw_safetensors(tmp_path / "size.safetensors",
+                           {"x.lora_down.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}},
+                           b"\0" * 8)
+
+
+def nan_values(tmp_path):
+    t = lf.lora_tensors(lf.tiny(), "kohya", 1)
+    t["lora_unet_proj.lora_up.weight"][0, 0] = float("nan")
+    return lf.write(tmp_path, "nan.safetensors", t)
+
+
+def not_a_lora(tmp_path):
+    return lf.write(tmp_path, "checkpoint.safetensors", {"model.diffusion_model.x.weight": torch.zeros(2, 2)})
+
+
+def missing(tmp_path):
+    return str(tmp_path / "missing.safetensors")
+
+
+def empty_file(tmp_path):
+    p = tmp_path / "empty.safetensors"
+    p.write_bytes(b"")
+    return str(p)
+
+
+CASES = [
+    # (maker, error type, text the message must contain, key named or None)
+    (truncated, LoRAFileError, "truncated", None),
+    (pickled, LoRAFileError, "pickle", None),
+    (torch_zip, LoRAFileError, "pickle", None),
+    (ckpt, LoRAFileError, "refused", None),
+    (huge_header, LoRAFileError, "header declares", None),
+    (bad_json, LoRAFileError, "not valid JSON", None),
+    (out_of_range, LoRAFileError, "outside", "x.lora_down.weight"),
+    (overlapping, LoRAFileError, "overlaps", "x.lora_up.weight"),
+    (unknown_dtype, LoRAFileError, "unknown dtype", "x.lora_down.weight"),
+    (wrong_size, LoRAFileError, "needs 16 bytes", "x.lora_down.weight"),
+    (nan_values, NonFiniteError, "NaN", "lora_unet_proj.lora_up.weight"),
+    (not_a_lora, LoRAFormatError, "no LoRA", None),
+    (missing, LoRAFileError, "not found", None),
+    (empty_file, LoRAFileError, "truncated", None),
+]
+
+
+@pytest.mark.parametrize("maker,error,text,key", CASES, ids=[c[0].__name__ for c in CASES])
+def test_bad_file(tmp_path, maker, error, text, key):
+    path = maker(tmp_path)
+    with pytest.raises(error) as e:
+        load_adapter(path)
+    msg = str(e.value)
+    assert text in msg
+    assert os.path.basename(path) in msg and e.value.path is not None
+    if key is not None:
+        assert e.value.key == key and repr(key) in msg
+
+
+def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
+    called = []
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: called.append(1))
+    with pytest.raises(LoRAFileError):
+        load_adapter(pickled(tmp_path))
+    assert not called
+
+
+def test_wrong_shape_names_file_key_and_layer(tmp_path):
+    t = lf.lora_tensors(lf.tiny(), "kohya", 1)
+    t["lora_unet_proj.lora_down.weight"] = torch.zeros(3, 7)
+    adapter = load_adapter(lf.write(tmp_path, "shape.safetensors", t))
+    model = lf.tiny()
+    bank = SlotBank(model)
+    with pytest.raises(LoRAShapeError) as e:
+        bank.activate([(adapter, 1.0)])
+    msg = str(e.value)
+    assert "shape.safetensors" in msg and "lora_unet_proj" in msg and "(3, 7)" in msg and "'proj'" in msg
+    assert bank.slots == [None] * bank.max_loras and not bank.layers
+
+
+def test_rank_mismatch_inside_the_file(tmp_path):
+    t = lf.lora_tensors(lf.tiny(), "kohya", 1)
+    t["lora_unet_proj.lora_up.weight"] = torch.zeros(16, 5)
+    with pytest.raises(LoRAShapeError, match="rank mismatch"):
+        load_adapter(lf.write(tmp_path, "rank.safetensors", t))
+
+
+def test_lora_of_another_model_family(tmp_path):
+    other = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(2, 8),
+             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(24, 2)}
+    adapter = load_adapter(lf.write(tmp_path, "flux.safetensors", other))
+    with pytest.raises(LoRANoMatchError) as e:
+        SlotBank(lf.tiny(), model_name="SD15").activate([(adapter, 1.0)])
+    assert "flux.safetensors" in str(e.value) and "SD15" in str(e.value)
+
+
+def test_failed_activation_leaves_the_previous_set_running(tmp_path):
+    model = lf.tiny()
+    x = lf.tiny_input()
+    ok = load_adapter(good(tmp_path))
+    t = lf.lora_tensors(lf.tiny(), "kohya", 2)
+    t["lora_unet_head.lora_down.weight"] = torch.zeros(3, 9)
+    bad = load_adapter(lf.write(tmp_path, "bad.safetensors", t))
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(ok, 1.0)])
+    with torch.no_grad():
+        before = model(x)
+    with pytest.raises(LoRAShapeError):
+        bank.activate([(bad, 1.0)])
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert bank.slots[0] is ok
+
+
+def test_non_finite_strength(tmp_path):
+    bank = SlotBank(lf.tiny())
+    with pytest.raises(NonFiniteError):
+        bank.activate([(load_adapter(good(tmp_path)), float("inf"))])

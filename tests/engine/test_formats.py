@@ -1,0 +1,227 @@
+"""Every format, applied at runtime, equals the same delta added to the weights by independent math."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lora_engine import SlotBank, fuse, load_adapter
+
+from . import lora_files as lf
+
+TOL = 1e-5
+
+
+def _kohya_prefix(name: str) -> str:
+    return "lora_unet_" + name.replace(".", "_")
+
+
+def ref_lowrank(t, model, layout):
+    """ΔW per layer, read back from the file layout by hand."""
+    names = {"kohya": (_kohya_prefix, ".lora_down.weight", ".lora_up.weight"),
+             "locon-mid": (_kohya_prefix, ".lora_down.weight", ".lora_up.weight"),
+             "peft": (lambda n: "unet." + n, ".lora_A.weight", ".lora_B.weight"),
+             "peft-default": (lambda n: "base_model.model." + n, ".lora_A.default.weight", ".lora_B.default.weight"),
+             "diffusers": (lambda n: "unet." + n, ".lora.down.weight", ".lora.up.weight")}[layout]
+    pre, dn, up = names
+    out = {}
+    for name, shape in lf.weight_shapes(model).items():
+        p = pre(name)
+        d, u = t[p + dn].double(), t[p + up].double()
+        r = d.shape[0]
+        alpha = float(t[p + ".alpha"]) if p + ".alpha" in t else r
+        mid = t.get(p + ".lora_mid.weight")
+        if mid is not None:
+            d = torch.einsum("ijhw,jn->inhw", mid.double(), d.reshape(r, -1))
+        out[name] = (u.reshape(u.shape[0], -1) @ d.reshape(r, -1)).reshape(shape) * (alpha / r)
+    return out
+
+
+def ref_loha(t, model):
+    out = {}
+    for name, shape in lf.weight_shapes(model).items():
+        p = _kohya_prefix(name)
+        w1 = t[p + ".hada_w1_a"].double() @ t[p + ".hada_w1_b"].double()
+        w2 = t[p + ".hada_w2_a"].double() @ t[p + ".hada_w2_b"].double()
+        out[name] = (w1 * w2).reshape(shape) * float(t[p + ".alpha"]) / t[p + ".hada_w1_b"].shape[0]
+    return out
+
+
+def ref_lokr(t, model):
+    out = {}
+    for name, shape in lf.weight_shapes(model).items():
+        p = _kohya_prefix(name)
+        w1 = t[p + ".lokr_w1"].double()
+        w2 = (t[p + ".lokr_w2_a"].double() @ t[p + ".lokr_w2_b"].double())
+        full = torch.zeros(shape[0], shape[1:].numel(), dtype=torch.float64)
+        o2, i2 = w2.shape[0], shape[1] // w1.shape[1]
+        k = shape[2:].numel()
+        w2 = w2.reshape(o2, i2, k)
+        for a in range(w1.shape[0]):
+            for b in range(w1.shape[1]):  # the Kronecker product written out
+                blk = (w1[a, b] * w2).reshape(o2, i2 * k)
+                for c in range(o2):
+                    for d in range(i2):
+                        full[a * o2 + c, (b * i2 + d) * k:(b * i2 + d + 1) * k] = blk[c, d * k:(d + 1) * k]
+        rank = t[p + ".lokr_w2_b"].shape[0]
+        out[name] = full.reshape(shape) * float(t[p + ".alpha"]) / rank
+    return out
+
+
+def ref_diff(t, model):
+    return {n: t["diffusion_model." + n + ".diff"].double() for n in lf.LAYERS}
+
+
+def ref_dora(t, model, axis):
+    base = ref_lowrank(t, model, "kohya")
+    mods = dict(model.named_modules())
+    out = {}
+    for name, d in base.items():
+        w = mods[name].weight.detach().double()
+        merged = w + d
+        mag = t[_kohya_prefix(name) + ".dora_scale"].double()
+        if axis == "output":
+            norm = merged.reshape(merged.shape[0], -1).norm(dim=1).reshape(mag.shape)
+        else:
+            norm = merged.transpose(0, 1).reshape(merged.shape[1], -1).norm(dim=1).reshape(mag.shape)
+        out[name] = merged * mag / (norm + torch.finfo(torch.float32).eps) - w
+    return out
+
+
+CASES = [
+    # (name, tensors(model), reference deltas(tensors, model), runtime path)
+    ("kohya", lambda m: lf.lora_tensors(m, "kohya", 1), lambda t, m: ref_lowrank(t, m, "kohya"), "low-rank"),
+    ("kohya-no-alpha", lambda m: lf.lora_tensors(m, "kohya", 2, alpha=None),
+     lambda t, m: ref_lowrank(t, m, "kohya"), "low-rank"),
+    ("locon-mid", lambda m: lf.lora_tensors(m, "locon-mid", 3), lambda t, m: ref_lowrank(t, m, "locon-mid"),
+     "low-rank"),
+    ("peft", lambda m: lf.lora_tensors(m, "peft", 4), lambda t, m: ref_lowrank(t, m, "peft"), "low-rank"),
+    ("peft-default", lambda m: lf.lora_tensors(m, "peft-default", 5),
+     lambda t, m: ref_lowrank(t, m, "peft-default"), "low-rank"),
+    ("diffusers", lambda m: lf.lora_tensors(m, "diffusers", 6), lambda t, m: ref_lowrank(t, m, "diffusers"),
+     "low-rank"),
+    ("loha", lambda m: lf.loha_tensors(m, 7), ref_loha, "dense"),
+    ("lokr", lambda m: lf.lokr_tensors(m, 8), ref_lokr, "dense"),
+    ("diff", lambda m: lf.diff_tensors(m, 9), ref_diff, "dense"),
+    ("dora-input-axis", lambda m: lf.dora_tensors(m, 10, "input"), lambda t, m: ref_dora(t, m, "input"), "dense"),
+    ("dora-output-axis", lambda m: lf.dora_tensors(m, 11, "output"), lambda t, m: ref_dora(t, m, "output"),
+     "dense"),
+]
+
+
+def _reference_model(model, tensors, deltas, strength):
+    ref = copy.deepcopy(model)
+    mods = dict(ref.named_modules())
+    with torch.no_grad():
+        for name, d in deltas.items():
+            w = mods[name].weight
+            w.copy_((w.double() + strength * d).to(w.dtype))
+            b = tensors.get("diffusion_model." + name + ".diff_b")
+            if b is not None:
+                mods[name].bias.add_(strength * b)
+    return ref
+
+
+@pytest.mark.parametrize("name,make,reference,path", CASES, ids=[c[0] for c in CASES])
+def test_runtime_matches_independent_math(tmp_path, name, make, reference, path):
+    model = lf.tiny()
+    x = lf.tiny_input()
+    tensors = make(model)
+    adapter = load_adapter(lf.write(tmp_path, f"{name}.safetensors", tensors))
+    strength = 0.7
+    with torch.no_grad():
+        base = model(x)
+        expected = _reference_model(model, tensors, reference(tensors, model), strength)(x)
+        bank = SlotBank(model, max_loras=2)
+        bank.activate([(adapter, strength)])
+        got = model(x)
+    report = bank.report(adapter)
+    assert report.matched == len(lf.LAYERS) and not report.unmatched and not report.leftover
+    assert report.runtime_path == path
+    assert (expected - base).abs().max() > 1e-2  # the adapter has a visible effect
+    assert (got - expected).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name,make,reference,path", CASES, ids=[c[0] for c in CASES])
+def test_fused_equals_runtime(tmp_path, name, make, reference, path):
+    model = lf.tiny()
+    x = lf.tiny_input()
+    adapter = load_adapter(lf.write(tmp_path, f"{name}.safetensors", make(model)))
+    with torch.no_grad():
+        bank = SlotBank(model, max_loras=1)
+        bank.activate([(adapter, -0.6)])
+        runtime = model(x)
+        bank.release()
+        fused_model = copy.deepcopy(model)
+        fuse(fused_model, adapter, -0.6)
+        fused = fused_model(x)
+    assert (fused - runtime).abs().max() <= TOL
+
+
+def test_formats_are_named_in_the_report(tmp_path):
+    model = lf.tiny()
+    mixed = {**lf.lora_tensors(model, "kohya", 1, layers=("conv_in", "proj")),
+             **{k: v for k, v in lf.loha_tensors(model, 2).items() if "lora_unet_head" in k}}
+    adapter = load_adapter(lf.write(tmp_path, "mixed.safetensors", mixed))
+    assert set(adapter.formats) == {"kohya", "loha"}
+    report = SlotBank(model).report(adapter)
+    assert (report.low_rank, report.dense, report.runtime_path) == (2, 1, "mixed")
+
+
+def test_leftover_keys_are_reported_not_dropped(tmp_path):
+    model = lf.tiny()
+    t = lf.lora_tensors(model, "kohya", 1, layers=("proj",))
+    t["lora_unet_proj.some_unknown_tensor"] = torch.zeros(2)
+    t["lora_unet_not_a_layer.lora_down.weight"] = torch.zeros(3, 4)
+    t["lora_unet_not_a_layer.lora_up.weight"] = torch.zeros(4, 3)
+    adapter = load_adapter(lf.write(tmp_path, "extra.safetensors", t))
+    assert adapter.leftover == ("lora_unet_proj.some_unknown_tensor",)
+    report = SlotBank(model).report(adapter)
+    assert report.unmatched == ("lora_unet_not_a_layer",)
+    assert report.partial and "1 unmatched" in report.line() and "1 unparsed" in report.line()
+
+
+def test_host_mapping_with_output_slices(tmp_path):
+    """A host map can point q, k and v LoRAs at slices of one fused qkv Linear (Flux in ComfyUI)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 24)).eval()
+    g = torch.Generator().manual_seed(3)
+    t, mapping = {}, {}
+    for j, part in enumerate("qkv"):
+        p = f"transformer.attn.to_{part}"
+        t[p + ".lora_A.weight"] = torch.randn(2, 8, generator=g)
+        t[p + ".lora_B.weight"] = torch.randn(8, 2, generator=g)
+        mapping[p] = ("0.weight", (0, 8 * j, 8))
+    adapter = load_adapter(lf.write(tmp_path, "qkv.safetensors", t))
+    from lora_engine import KeyMap
+    bank = SlotBank(model, keymap=KeyMap(model, mapping))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        w = model[0].weight.clone()
+        delta = torch.cat([t[f"transformer.attn.to_{p}.lora_B.weight"] @ t[f"transformer.attn.to_{p}.lora_A.weight"]
+                           for p in "qkv"])
+        expected = torch.nn.functional.linear(x, w + 0.5 * delta, model[0].bias)
+        bank.activate([(adapter, 0.5)])
+        got = model(x)
+    assert bank.report(adapter).matched == 1
+    assert (got - expected).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("conf,scale_of", [
+    ({"r": 3, "lora_alpha": 6}, lambda name, r: 6 / r),
+    ({"r": 3, "lora_alpha": 6, "alpha_pattern": {"ff": 1.5}}, lambda name, r: (1.5 if name == "ff" else 6) / r),
+    ({"r": 3, "lora_alpha": 6, "use_rslora": True}, lambda name, r: 6 / r ** 0.5),
+    ({"transformer.r": 3, "transformer.lora_alpha": 9}, lambda name, r: 9 / r),
+], ids=["lora_alpha", "alpha_pattern", "rslora", "pipeline-prefixed"])
+def test_peft_alpha_from_the_header(tmp_path, conf, scale_of):
+    """diffusers' save_lora_adapter keeps alpha only in the header's `lora_adapter_metadata`."""
+    import json
+    model = lf.tiny()
+    t = lf.lora_tensors(model, "peft", 4, alpha=None)
+    path = lf.write(tmp_path, "meta.safetensors", t, metadata={"lora_adapter_metadata": json.dumps(conf)})
+    adapter = load_adapter(path)
+    for name in lf.LAYERS:
+        lp = adapter.layers["unet." + name]
+        assert lp.weight.scale == pytest.approx(scale_of(name, lp.weight.rank)), name

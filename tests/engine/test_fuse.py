@@ -1,0 +1,112 @@
+"""Fusion: fp32 math rounded once, the ledger's rules, all-or-nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lora_engine import FuseError, NonFiniteError, fuse, ledger_of, load_adapter
+
+from . import lora_files as lf
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    return load_adapter(lf.write(tmp_path, "d.safetensors", lf.lora_tensors(lf.tiny(), "kohya", 3)))
+
+
+def test_fp32_math_rounded_once(tmp_path):
+    model = lf.tiny().to(torch.bfloat16)
+    t = lf.lora_tensors(lf.tiny(), "kohya", 3)
+    adapter = load_adapter(lf.write(tmp_path, "d.safetensors", t))
+    original = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in lf.LAYERS}
+    fuse(model, adapter, 0.37)
+    from .test_formats import ref_lowrank
+    deltas = ref_lowrank(t, lf.tiny(), "kohya")
+    for name, m in model.named_modules():
+        if name in lf.LAYERS:
+            expected = (original[name].double() + 0.37 * deltas[name]).to(torch.bfloat16)
+            assert torch.equal(m.weight, expected), name
+
+
+def test_same_fusion_twice_is_a_no_op(adapter):
+    model = lf.tiny()
+    assert fuse(model, adapter, 0.8).fused
+    once = copy.deepcopy(model.state_dict())
+    again = fuse(model, adapter, 0.8)
+    assert not again.fused and again.reason == "already fused"
+    assert all(torch.equal(once[k], v) for k, v in model.state_dict().items())
+
+
+def test_other_strength_refuses_from_the_unfused_weights(adapter):
+    pristine = lf.tiny()
+    originals = {n: m.weight.detach().clone() for n, m in pristine.named_modules() if n in lf.LAYERS}
+    model = lf.tiny()
+    fuse(model, adapter, 0.8)
+    with pytest.raises(FuseError, match="needs the unfused weights"):
+        fuse(model, adapter, 0.5)
+    result = fuse(model, adapter, 0.5, originals=originals)
+    assert result.fused and "re-fused" in result.reason
+    direct = lf.tiny()
+    fuse(direct, adapter, 0.5)
+    for (k, v), (_, w) in zip(model.state_dict().items(), direct.state_dict().items()):
+        assert torch.equal(v, w), k
+    assert [f["strength"] for f in ledger_of(model).describe()] == [0.5]
+
+
+def test_reloaded_weights_are_fused_again(adapter):
+    model = lf.tiny()
+    fuse(model, adapter, 1.0)
+    model.load_state_dict(lf.tiny().state_dict())  # fresh weights in the same module objects
+    result = fuse(model, adapter, 1.0)
+    assert result.fused
+    direct = lf.tiny()
+    fuse(direct, adapter, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), direct.state_dict().values()))
+
+
+def test_ledger_travels_with_a_deep_copy(adapter):
+    model = lf.tiny()
+    fuse(model, adapter, 1.0)
+    clone = copy.deepcopy(model)
+    assert not fuse(clone, adapter, 1.0).fused
+
+
+def test_non_finite_result_leaves_weights_unchanged(tmp_path):
+    model = lf.tiny()
+    t = lf.lora_tensors(model, "kohya", 3)
+    t["lora_unet_head.lora_up.weight"] = torch.full_like(t["lora_unet_head.lora_up.weight"], 3e38)
+    t["lora_unet_head.lora_down.weight"] = torch.full_like(t["lora_unet_head.lora_down.weight"], 1e3)
+    adapter = load_adapter(lf.write(tmp_path, "big.safetensors", t))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NonFiniteError) as e:
+        fuse(model, adapter, 1.0)
+    assert "big.safetensors" in str(e.value) and "head" in str(e.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert ledger_of(model) is None
+
+
+def test_interruption_leaves_weights_unchanged(adapter):
+    model = lf.tiny()
+    before = copy.deepcopy(model.state_dict())
+    calls = []
+
+    class Interrupted(Exception):
+        pass
+
+    def check():
+        calls.append(1)
+        if len(calls) == 4:
+            raise Interrupted()
+
+    with pytest.raises(FuseError):
+        fuse(model, adapter, 1.0, check=check, keep_bytes=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_progress_reports_every_layer(adapter):
+    seen = []
+    fuse(lf.tiny(), adapter, 1.0, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (2 * len(lf.LAYERS), 2 * len(lf.LAYERS)) and len(seen) == 2 * len(lf.LAYERS)

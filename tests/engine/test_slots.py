@@ -1,0 +1,196 @@
+"""Activation rules: set semantics, warm slots, limits, per-item strengths, shared bases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_engine import SlotBank, SlotLimitError, load_adapter
+
+from . import lora_files as lf
+
+TOL = 1e-5
+
+
+@pytest.fixture
+def adapters(tmp_path):
+    model = lf.tiny()
+    layouts = ["kohya", "peft", "diffusers", "kohya"]
+    return [load_adapter(lf.write(tmp_path, f"a{i}.safetensors", lf.lora_tensors(model, lay, 10 + i, rank=2 + i)),
+                         name=f"a{i}") for i, lay in enumerate(layouts)]
+
+
+def run(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def solo(adapters_strengths, x):
+    """The output of a fresh model with only these adapters active: the reference for every rule."""
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=max(1, len(adapters_strengths)))
+    bank.activate(adapters_strengths)
+    out = run(model, x)
+    bank.release()
+    return out
+
+
+def test_composition_is_the_sum_of_deltas(adapters):
+    x = lf.tiny_input()
+    model = lf.tiny()
+    base = run(model, x)
+    a, b = adapters[:2]
+    # Layers are not linear in the adapter, so check the first layer's output directly.
+    bank = SlotBank(model, max_loras=2)
+    outs = {}
+    for entries in ([(a, 0.8)], [(b, -0.5)], [(a, 0.8), (b, -0.5)]):
+        bank.activate(entries)
+        with torch.no_grad():
+            outs[len(entries), entries[0][0].name] = model.conv_in(x)
+    with torch.no_grad():
+        base_conv = lf.tiny().conv_in(x)
+    both = outs[2, "a0"] - base_conv
+    assert (both - ((outs[1, "a0"] - base_conv) + (outs[1, "a1"] - base_conv))).abs().max() <= TOL
+    assert (run(model, x) - base).abs().max() > 1e-3
+
+
+def test_reordering_the_set_copies_nothing(adapters):
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=3)
+    a, b, c = adapters[:3]
+    first = bank.activate([(a, 1.0), (b, 0.5), (c, -1.0)])
+    assert first.copied == ("a0", "a1", "a2") and first.bytes_copied > 0
+    again = bank.activate([(c, -1.0), (a, 1.0), (b, 0.5)])
+    assert again.copied == () and again.bytes_copied == 0 and set(again.kept) == {"a0", "a1", "a2"}
+    assert bank.copies == 3
+
+
+def test_strength_change_is_a_tensor_write(adapters):
+    x = lf.tiny_input()
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    a, b = adapters[:2]
+    bank.activate([(a, 1.0), (b, 0.5)])
+    buffers = {n: (layer.a.data_ptr(), layer.b.data_ptr()) for n, layer in bank.layers.items()}
+    weights = {n: p.clone() for n, p in model.state_dict().items()}
+    bank.set_strength(a, -0.3)
+    assert {n: (layer.a.data_ptr(), layer.b.data_ptr()) for n, layer in bank.layers.items()} == buffers
+    assert all(torch.equal(weights[n], p) for n, p in model.state_dict().items())
+    assert (run(model, x) - solo([(a, -0.3), (b, 0.5)], x)).abs().max() <= TOL
+    assert bank.copies == 2
+
+
+def test_zero_strength_keeps_the_slot_and_absence_frees_it(adapters):
+    x = lf.tiny_input()
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    a, b = adapters[:2]
+    bank.activate([(a, 1.0), (b, 0.7)])
+    zero = bank.activate([(a, 0.0), (b, 0.7)])
+    assert zero.copied == () and bank.slots[0] is a
+    assert (run(model, x) - solo([(b, 0.7)], x)).abs().max() <= TOL
+    gone = bank.activate([(b, 0.7)])
+    assert gone.released == ("a0",) and bank.slots[0] is None
+    assert all(0 not in layer.lr_used for layer in bank.layers.values())
+    assert (run(model, x) - solo([(b, 0.7)], x)).abs().max() <= TOL
+    back = bank.activate([(a, 1.0), (b, 0.7)])
+    assert back.copied == ("a0",)
+
+
+def test_more_than_max_loras_names_adapters_and_limit(adapters):
+    bank = SlotBank(lf.tiny(), max_loras=2)
+    with pytest.raises(SlotLimitError) as e:
+        bank.activate([(a, 1.0) for a in adapters[:3]])
+    msg = str(e.value)
+    assert "a0" in msg and "a2" in msg and "max_loras=2" in msg
+    assert bank.slots == [None, None]
+
+
+def test_newcomer_replaces_a_departed_adapter_cleanly(adapters):
+    x = lf.tiny_input()
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    a, b, c, d = adapters
+    bank.activate([(a, 1.0), (b, 1.0)])
+    bank.activate([(c, 0.4), (d, -0.9)])
+    assert (run(model, x) - solo([(c, 0.4), (d, -0.9)], x)).abs().max() <= TOL
+
+
+def test_duplicate_entries_add_their_strengths(adapters):
+    x = lf.tiny_input()
+    model = lf.tiny()
+    a = adapters[0]
+    SlotBank(model, max_loras=1).activate([(a, 0.5), (a, 0.25)])
+    assert (run(model, x) - solo([(a, 0.75)], x)).abs().max() <= TOL
+
+
+def test_per_item_strengths_equal_separate_runs(adapters):
+    x = lf.tiny_input(batch=1).repeat(4, 1, 1, 1)
+    a, b = adapters[:2]
+    grid = [(0.0, 0.0), (1.0, 0.0), (0.0, -0.8), (0.5, 1.2)]
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, [g[0] for g in grid]), (b, [g[1] for g in grid])])
+    batch = run(model, x)
+    for i, (sa, sb) in enumerate(grid):
+        assert (batch[i] - solo([(a, sa), (b, sb)], x[i:i + 1])[0]).abs().max() <= TOL
+
+
+def test_per_item_strengths_tile_over_stacked_chunks(adapters):
+    """cond and uncond batches stacked: [items..., items...] reuse the per-item strengths."""
+    a = adapters[0]
+    x = lf.tiny_input(batch=2)
+    model = lf.tiny()
+    SlotBank(model, max_loras=1).activate([(a, [0.2, 0.9])])
+    stacked = run(model, torch.cat([x, x]))
+    assert (stacked[2:] - stacked[:2]).abs().max() <= TOL
+    assert (stacked[1] - solo([(a, 0.9)], x[1:2])[0]).abs().max() <= TOL
+
+
+def test_two_models_sharing_one_base_do_not_interfere(adapters):
+    x = lf.tiny_input()
+    base = lf.tiny()
+    bank = SlotBank.of(base, max_loras=2)
+    a, b, c = adapters[:3]
+    stack_1, stack_2 = [(a, 0.9), (b, -0.4)], [(c, 1.1)]
+    for _ in range(2):
+        with bank.using(stack_1):
+            out_1 = run(base, x)
+        with bank.using(stack_2):
+            out_2 = run(base, x)
+        plain = run(base, x)
+    assert (out_1 - solo(stack_1, x)).abs().max() <= TOL
+    assert (out_2 - solo(stack_2, x)).abs().max() <= TOL
+    assert (plain - run(lf.tiny(), x)).abs().max() == 0
+    assert SlotBank.of(base, max_loras=2) is bank
+
+
+def test_release_removes_every_hook(adapters):
+    model = lf.tiny()
+    bank = SlotBank.of(model, max_loras=2)
+    bank.activate([(adapters[0], 1.0)])
+    assert any(m._forward_hooks for m in model.modules())
+    bank.release()
+    assert not any(m._forward_hooks for m in model.modules())
+    assert "_lora_engine_bank" not in model.__dict__
+
+
+def test_half_precision_model(adapters):
+    x = lf.tiny_input().to(torch.bfloat16)
+    model = lf.tiny().to(torch.bfloat16)
+    bank = SlotBank(model, max_loras=1)
+    assert bank.dtype == torch.bfloat16
+    bank.activate([(adapters[0], 1.0)])
+    got = run(model, x).float()
+    ref = solo([(adapters[0], 1.0)], x.float())
+    assert (got - ref).abs().max() < 5e-2
+
+
+def test_fixed_slot_rank_keeps_shapes(adapters):
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2, slot_rank=8)
+    bank.activate([(adapters[0], 1.0)])
+    shapes = {n: tuple(layer.a.shape) for n, layer in bank.layers.items()}
+    bank.activate([(adapters[3], 1.0), (adapters[1], 1.0)])
+    assert {n: tuple(layer.a.shape) for n, layer in bank.layers.items()} == shapes
+    assert bank.reallocations == len(shapes)
