@@ -16,11 +16,11 @@ from .errors import (FuseError, LoRAError, LoRAFileError, LoRAFormatError, LoRAN
 from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
-from .slots import Activation, SlotBank
+from .slots import Activation, SlotBank, all_banks
 
 __all__ = [
     "Activation", "Adapter", "AdapterCache", "CacheStats", "FileIdentity", "FuseError", "FuseResult", "KeyMap",
     "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError", "LoRAShapeError", "MatchReport",
-    "NonFiniteError", "SlotBank", "SlotLimitError", "Target", "bind", "default_cache", "fuse", "ledger_of",
+    "NonFiniteError", "SlotBank", "SlotLimitError", "Target", "all_banks", "bind", "default_cache", "fuse", "ledger_of",
     "load_adapter", "read_header",
 ]

@@ -6,15 +6,16 @@ shapes, and arrive before any slot or weight is written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .adapter import Adapter
-from .errors import LoRANoMatchError, LoRAShapeError
+from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap
-from .patches import LayerPatch
+from .patches import LayerPatch, LoHa, LoKr
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class ModulePlan:
     module: nn.Module
     geometry: Geometry
     pieces: list[Piece] = field(default_factory=list)
+    path: str | None = None  # the adapter's file, for errors
 
     @property
     def low_rank(self) -> bool:
@@ -84,6 +86,9 @@ class ModulePlan:
             start, size = p.out_slice or (0, g.out_features)
             b[start:start + size, at:at + w.rank] = w.scaled_up().to(dtype)
             at += w.rank
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
+                                 remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
         return a, b
 
     def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,9 +103,9 @@ class ModulePlan:
                 base = base_weight.reshape(g.weight_shape)[start:start + size]
             try:
                 d = p.patch.dense_delta(shape, base)
-            except RuntimeError as e:
+            except (RuntimeError, IndexError) as e:
                 raise LoRAShapeError(f"patch does not fit layer {self.name!r} of shape "
-                                     f"{tuple(g.weight_shape)!r}: {e}", key=p.patch.key) from None
+                                     f"{tuple(g.weight_shape)!r}: {e}", path=self.path, key=p.patch.key) from None
             if d is None:
                 continue
             if total is None:
@@ -178,7 +183,7 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         module = keymap.modules[target.module]
         plan = plans.get(target.module)
         if plan is None:
-            plan = plans[target.module] = ModulePlan(target.module, module, Geometry.of(module))
+            plan = plans[target.module] = ModulePlan(target.module, module, Geometry.of(module), path=adapter.path)
         _check(adapter, plan, patch, target.out_slice)
         plan.pieces.append(Piece(patch, target.out_slice))
     if not plans:
@@ -212,15 +217,43 @@ def _check(adapter: Adapter, plan: ModulePlan, patch: LayerPatch, out_slice: tup
         raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {plan.name!r} with "
                              f"{size} outputs", path=adapter.path, key=patch.key)
     if w is not None and not hasattr(w, "down"):
+        # Checked from shapes before anything is materialised: LoHa and LoKr factors of a few KB can
+        # describe a product of gigabytes.
         numel = size * torch.Size(g.weight_shape[1:]).numel()
         got = _dense_numel(w)
-        if got is not None and got != numel:
-            raise LoRAShapeError(f"patch of {got} elements does not fit layer {plan.name!r} "
+        if got != numel:
+            what = f"patch of {got} elements" if got is not None else "patch whose factors do not combine"
+            raise LoRAShapeError(f"{what} does not fit layer {plan.name!r} "
                                  f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
                                  remedy="the adapter was trained for another model or model size")
 
 
 def _dense_numel(w) -> int | None:
-    if hasattr(w, "diff"):
-        return w.diff.numel()
-    return None
+    """Elements of the ΔW that `w.delta` would build, from shapes alone; None when they do not combine."""
+    if isinstance(w, LoHa):
+        s1, s2 = _product_shape(w.w1a, w.w1b, w.t1), _product_shape(w.w2a, w.w2b, w.t2)
+        return math.prod(s1) if s1 is not None and s1 == s2 else None  # equal shapes: no broadcasting
+    if isinstance(w, LoKr):
+        w1_2d = w.w1a is not None and w.w1b is not None and w.w1a.dim() == 2 and w.w1b.dim() == 2  # plain `@`
+        n1 = w.w1.numel() if w.w1 is not None else _numel(_product_shape(w.w1a, w.w1b, None)) if w1_2d else None
+        n2 = w.w2.numel() if w.w2 is not None else _numel(_product_shape(w.w2a, w.w2b, w.t2))
+        return n1 * n2 if n1 is not None and n2 is not None else None  # kron: the product of both sizes
+    return w.diff.numel()
+
+
+def _numel(shape: tuple[int, ...] | None) -> int | None:
+    return math.prod(shape) if shape is not None else None
+
+
+def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The shape of `patches._rebuild(a, b, t)`, or None when the factors do not combine."""
+    if a is None or b is None or a.dim() < 1 or b.dim() < 1:
+        return None
+    if t is None:  # flat(a) @ flat(b)
+        if math.prod(a.shape[1:]) != b.shape[0]:
+            return None
+        return (a.shape[0], math.prod(b.shape[1:]))
+    # einsum "ij...,jr,ip->pr...": t [i, j, *k], b [j, r], a [i, p]
+    if t.dim() < 2 or a.dim() != 2 or b.dim() != 2 or t.shape[0] != a.shape[0] or t.shape[1] != b.shape[0]:
+        return None
+    return (a.shape[1], b.shape[1], *t.shape[2:])

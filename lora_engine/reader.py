@@ -21,6 +21,7 @@ from .errors import LoRAFileError, NonFiniteError
 HEADER_CAP = 64 * 1024 * 1024
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 MAX_DIMS = 8
+MAX_DIM = 2**63 - 1  # safetensors sizes are 64-bit; bigger numbers only make error messages unprintable
 
 DTYPE_SIZES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -84,7 +85,7 @@ def read_header(path: str) -> Header:
                             remedy="check the file's permissions") from None
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also integers of >4300 digits
         raise LoRAFileError(f"safetensors header is not valid JSON ({e.__class__.__name__})", path=path,
                             remedy="the file is corrupt; download it again") from None
     if not isinstance(doc, dict):
@@ -92,13 +93,14 @@ def read_header(path: str) -> Header:
                             remedy="the file is corrupt; download it again")
     data_len = size - 8 - n
     meta = doc.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise LoRAFileError("safetensors __metadata__ is not an object", path=path)
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise LoRAFileError("safetensors __metadata__ is not an object of strings", path=path,
+                            remedy="the file is corrupt; download it again")
     tensors: dict[str, TensorInfo] = {}
     for key, info in doc.items():
         tensors[key] = _tensor_info(path, key, info, data_len)
     _check_overlaps(path, tensors)
-    return Header(path=path, tensors=tensors, metadata={str(k): str(v) for k, v in meta.items()})
+    return Header(path=path, tensors=tensors, metadata=dict(meta))
 
 
 def _tensor_info(path: str, key: str, info: object, data_len: int) -> TensorInfo:
@@ -109,7 +111,7 @@ def _tensor_info(path: str, key: str, info: object, data_len: int) -> TensorInfo
         raise LoRAFileError(f"unknown dtype {dtype!r}", path=path, key=key,
                             remedy="re-save the file with a supported dtype (F32, F16, BF16, F8)")
     if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape)):
         raise LoRAFileError(f"invalid shape {shape!r}", path=path, key=key)
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):

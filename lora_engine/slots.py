@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class SlotBank:
         self.copies = 0
         self.bytes_copied = 0
         self.reallocations = 0
+        _BANKS.add(self)
 
     # -- sharing ---------------------------------------------------------------------------------------
 
@@ -246,6 +248,7 @@ class SlotBank:
             self.slots = [None] * self.max_loras
             self._bindings.clear()
             self.active = False
+            _BANKS.discard(self)
             if self.root.__dict__.get("_lora_engine_bank") is self:
                 del self.root.__dict__["_lora_engine_bank"]
 
@@ -268,6 +271,7 @@ class SlotBank:
                 "model": self.model_name, "max_loras": self.max_loras, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "active": self.active,
                 "layers": len(self.layers), "bytes": sum(layer.nbytes() for layer in self.layers.values()),
+                "copies": self.copies, "bytes_copied": self.bytes_copied, "reallocations": self.reallocations,
                 "slots": [None if a is None else {
                     "name": a.name, "fingerprint": a.fingerprint,
                     "strength": scale[i].item() if scale.dim() == 1 else scale[:, i].tolist()}
@@ -345,6 +349,14 @@ class SlotBank:
             self._item_strengths.copy_(values)
             self.scale = self._item_strengths
         self.all_zero = not bool(values.any())
+
+
+_BANKS: weakref.WeakSet[SlotBank] = weakref.WeakSet()
+
+
+def all_banks() -> list[SlotBank]:
+    """Every live bank in the process, for status reporting."""
+    return [b for b in list(_BANKS) if b.layers or any(a is not None for a in b.slots)]
 
 
 def _add_strength(a: Strength, b: Strength) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import LoRAFormatError
+from ..errors import LoRAFormatError, NonFiniteError
 from ..patches import LayerPatch
 
 
@@ -21,6 +21,14 @@ def pop_alpha(tensors: dict[str, torch.Tensor], prefix: str, consumed: list[str]
         return None
     consumed.append(prefix + ".alpha")
     return float(t.float().reshape(-1)[0]) if t.numel() else None
+
+
+def finite_scale(scale: float, path: str, key: str) -> float:
+    """`scale`, or a `NonFiniteError`: an F64 alpha of 1e300 is finite in the file but not as a scale."""
+    if not math.isfinite(scale):
+        raise NonFiniteError(f"the layer's scale (alpha / rank) is {scale}", path=path, key=key,
+                             remedy="the file's alpha is broken; re-export it")
+    return scale
 
 
 def layer(layers: dict[str, LayerPatch], prefix: str, fmt: str, path: str) -> LayerPatch:
@@ -57,7 +65,7 @@ class ParseContext:
             raw = self.metadata.get(PEFT_META_KEY)
             try:
                 doc = json.loads(raw) if raw else {}
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # ValueError: also integers of >4300 digits
                 doc = {}
             conf = {}
             for k, v in (doc.items() if isinstance(doc, dict) else ()):
@@ -71,14 +79,26 @@ class ParseContext:
 
     def peft_scale(self, prefix: str, rank: int) -> float | None:
         conf = self.peft_config()
-        if "lora_alpha" not in conf:
+        if "lora_alpha" not in conf or rank <= 0:
             return None
         alpha = _pattern(conf.get("alpha_pattern"), prefix, conf["lora_alpha"])
         try:
             alpha = float(alpha)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
         return alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
+
+
+# PEFT reads `alpha_pattern` keys as regular expressions. A file's pattern with nested or repeated
+# quantifiers, or alternatives under one, can backtrack for hours on a long layer name (the prompt
+# worker would hang), so a key is tried as a regex only with at most one quantifier and no `|`, and
+# only on names of bounded length. Literal module names, what diffusers writes, always match.
+_REGEX_MAX_LEN = 512
+
+
+def _regex_ok(key: str, module: str) -> bool:
+    return (sum(key.count(c) for c in "*+?{") <= 1 and "|" not in key and len(key) <= _REGEX_MAX_LEN
+            and len(module) <= _REGEX_MAX_LEN)
 
 
 def _pattern(patterns: object, prefix: str, default: object) -> object:
@@ -91,9 +111,11 @@ def _pattern(patterns: object, prefix: str, default: object) -> object:
     for key, value in patterns.items():
         if module == key or module.endswith("." + key):
             return value
+        if not _regex_ok(key, module):
+            continue
         try:
             if re.fullmatch(key, module):
                 return value
-        except re.error:
+        except (re.error, RecursionError, OverflowError):
             continue
     return default

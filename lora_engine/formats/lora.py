@@ -8,7 +8,7 @@ import torch
 
 from ..errors import LoRAShapeError
 from ..patches import LowRank
-from ._util import ParseContext, layer, pop_alpha, prefixes
+from ._util import ParseContext, finite_scale, layer, pop_alpha, prefixes
 
 # (format, up suffix, down suffix); longer suffixes first, so that `.lora_B` is tried last.
 VARIANTS = (
@@ -37,7 +37,7 @@ def parse(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | 
                 consumed.append(mid_key)
             alpha = pop_alpha(tensors, prefix, consumed)
             scale = None
-            if alpha is None and fmt == "peft":
+            if alpha is None and fmt == "peft" and down.dim() >= 2:  # other shapes are refused below
                 scale = ctx.peft_scale(prefix, down.shape[0])
             entry = layer(layers, prefix, fmt if mid is None else "locon-tucker", ctx.path)
             entry.weight = _low_rank(down, up, mid, alpha, ctx.path, prefix + down_sfx, scale)
@@ -69,4 +69,4 @@ def _low_rank(down: torch.Tensor, up: torch.Tensor, mid: torch.Tensor | None, al
                              path=path, key=key)
     if scale is None:
         scale = alpha / rank if alpha is not None else 1.0
-    return LowRank(down=down, up=up, scale=scale)
+    return LowRank(down=down, up=up, scale=finite_scale(scale, path, key))

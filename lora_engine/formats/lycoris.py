@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import LoRAShapeError
 from ..patches import LoHa, LoKr
-from ._util import ParseContext, layer, pop_alpha, prefixes
+from ._util import ParseContext, finite_scale, layer, pop_alpha, prefixes
 
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+
+
+def _check_factors(named: dict[str, torch.Tensor | None], path: str, prefix: str) -> None:
+    """Low-rank factors are non-empty matrices (LyCORIS writes 2-D ones); a scalar or an empty factor
+    would fail later with an untyped error, or divide by a zero rank."""
+    for part, t in named.items():
+        if t is not None and (t.dim() < 2 or t.numel() == 0):
+            raise LoRAShapeError(f"{part} {tuple(t.shape)!r} is not a non-empty matrix", path=path,
+                                 key=f"{prefix}.{part}", remedy="the file is corrupt; re-export it")
 
 
 def _pop(tensors: dict[str, torch.Tensor], key: str, consumed: list[str]) -> torch.Tensor | None:
@@ -28,9 +38,11 @@ def parse_loha(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> s
         t1 = _pop(tensors, f"{prefix}.hada_t1", consumed)
         t2 = _pop(tensors, f"{prefix}.hada_t2", consumed)
         alpha = pop_alpha(tensors, prefix, consumed)
+        _check_factors(dict(zip(LOHA_PARTS, (w1a, w1b, w2a, w2b))), ctx.path, prefix)
         rank = w1b.shape[0]
+        scale = finite_scale(alpha / rank if alpha is not None else 1.0, ctx.path, prefix)
         entry = layer(layers, prefix, "loha", ctx.path)
-        entry.weight = LoHa(w1a, w1b, w2a, w2b, t1, t2, scale=alpha / rank if alpha is not None else 1.0)
+        entry.weight = LoHa(w1a, w1b, w2a, w2b, t1, t2, scale=scale)
         entry.source_keys.extend(consumed)
         found = True
     return "loha" if found else None
@@ -48,13 +60,14 @@ def parse_lokr(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> s
         consumed: list[str] = []
         parts = {p: _pop(tensors, f"{prefix}.{p}", consumed) for p in LOKR_PARTS}
         alpha = pop_alpha(tensors, prefix, consumed)
+        _check_factors({p: parts[p] for p in ("lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b")}, ctx.path, prefix)
         # As in LyCORIS: alpha/rank applies only when a factor is itself low-rank.
         rank = None
         if parts["lokr_w1_b"] is not None:
             rank = parts["lokr_w1_b"].shape[0]
         elif parts["lokr_w2_b"] is not None:
             rank = parts["lokr_w2_b"].shape[0]
-        scale = alpha / rank if alpha is not None and rank else 1.0
+        scale = finite_scale(alpha / rank if alpha is not None and rank else 1.0, ctx.path, prefix)
         entry = layer(layers, prefix, "lokr", ctx.path)
         entry.weight = LoKr(parts["lokr_w1"], parts["lokr_w1_a"], parts["lokr_w1_b"], parts["lokr_w2"],
                             parts["lokr_w2_a"], parts["lokr_w2_b"], parts["lokr_t2"], scale=scale)

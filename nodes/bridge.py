@@ -1,0 +1,279 @@
+"""The one bridge between ComfyUI and the engine. Every ComfyUI import of the pack lives here.
+
+It uses ComfyUI's extension points only:
+- files through `folder_paths`, refused unless they resolve inside a configured folder;
+- ComfyUI's own key maps (`model_lora_keys_unet` / `_clip`) and `lora_convert.convert_lora`;
+- a `PatcherInjection` on the returned clone: when ComfyUI loads that clone, `inject`
+  activates the clone's stack on the shared slot bank, and `eject` deactivates it. Two
+  clones of one base share its weights and its bank, but each runs with its own stack.
+- `comfy.utils.ProgressBar` for long work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import comfy.lora
+import comfy.lora_convert
+import comfy.model_management
+import comfy.patcher_extension
+import comfy.utils
+import folder_paths
+
+from lora_engine import (Adapter, KeyMap, LoRAFileError, LoRANoMatchError, SlotBank, SlotLimitError, bind,
+                         default_cache)
+
+log = logging.getLogger("multilora")
+
+INJECTION_KEY = "multilora"
+MAX_NAME = 1024
+
+
+# -- files ----------------------------------------------------------------------------------------------
+
+def lora_names() -> list[str]:
+    return folder_paths.get_filename_list("loras")
+
+
+def resolve(folder: str, name: object) -> str:
+    """The real path of `name` inside one of `folder`'s configured directories, or a `LoRAFileError`.
+    Nothing is opened before the checks pass."""
+    if not isinstance(name, str) or not name.strip():
+        raise LoRAFileError(f"expected a file name from the {folder} folder, got {name!r}")
+    if "\x00" in name or len(name) > MAX_NAME:
+        raise LoRAFileError(f"refused {folder} name (NUL byte or longer than {MAX_NAME} characters)",
+                            path=name[:80])
+    if os.path.isabs(name) or name.startswith(("\\", "/")) or (len(name) > 1 and name[1] == ":"):
+        raise LoRAFileError(f"absolute paths are refused; use a name relative to the {folder} folder", path=name)
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise LoRAFileError(f"'..' is refused in {folder} names", path=name)
+    roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths(folder)]
+    for d in folder_paths.get_folder_paths(folder):
+        candidate = os.path.join(d, name)
+        if not os.path.isfile(candidate):
+            continue
+        real = os.path.realpath(candidate)
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+            raise LoRAFileError(f"{name!r} resolves outside the configured {folder} folders (a symlink escapes)",
+                                path=name, remedy=f"place the file inside a {folder} folder")
+        return real
+    raise LoRAFileError(f"no file named {name!r} in the {folder} folders ({', '.join(roots)})", path=name,
+                        remedy="check the name, or refresh the node list after adding the file")
+
+
+def _convert(sd):
+    return comfy.lora_convert.convert_lora(sd)
+
+
+def load_lora(name: str) -> Adapter:
+    """The parsed adapter for a name in the loras folders, from the process-wide cache."""
+    adapter = default_cache().load(resolve("loras", name), name=name, convert=_convert, convert_id="comfy")
+    return adapter
+
+
+def load_loras(names: Sequence[str]) -> list[Adapter]:
+    pbar = comfy.utils.ProgressBar(len(names)) if names else None
+    out = []
+    for i, name in enumerate(names):
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        out.append(load_lora(name))
+        pbar.update_absolute(i + 1)
+    return out
+
+
+# -- key maps and banks ----------------------------------------------------------------------------------
+
+_keymaps: dict[int, KeyMap] = {}
+_logged: set[tuple[str, int]] = set()
+_lock = threading.Lock()
+
+
+def _keymap(root, kind: str) -> KeyMap:
+    """ComfyUI's own map for this model object, built once per module."""
+    km = root.__dict__.get("_multilora_keymap")
+    if km is None:
+        if kind == "unet":
+            mapping = comfy.lora.model_lora_keys_unet(root, {})
+        else:
+            mapping = comfy.lora.model_lora_keys_clip(root, {})
+        km = KeyMap(root, mapping, defaults=False)
+        root.__dict__["_multilora_keymap"] = km
+    return km
+
+
+def _dtype(patcher, root):
+    model = getattr(patcher, "model", None)
+    if hasattr(model, "get_dtype_inference"):
+        return model.get_dtype_inference()
+    return None
+
+
+def _bank(patcher, root, kind: str, slots: int) -> SlotBank:
+    dtype = _dtype(patcher, root) if kind == "unet" else None
+    bank = root.__dict__.get("_lora_engine_bank")
+    if bank is not None and bank.max_loras >= slots:
+        return bank
+    size = max(slots, bank.max_loras if bank is not None else 0)
+    if bank is not None:
+        bank.release()
+    bank = SlotBank.of(root, max_loras=size, keymap=_keymap(root, kind), device=patcher.load_device,
+                       dtype=dtype, model_name=type(root).__name__ if kind == "unet" else
+                       f"{type(root).__name__} (text encoder)")
+    return bank
+
+
+def _binding(adapter: Adapter, root, kind: str):
+    try:
+        return bind(adapter, _keymap(root, kind), type(root).__name__)
+    except LoRANoMatchError:
+        return None
+
+
+REPORTS: dict[str, dict] = {}  # fingerprint -> the last combined match report, for the status route
+_REPORTS_KEPT = 256
+
+
+def _report(adapter: Adapter, unet, clip) -> dict:
+    unmatched = set(adapter.layers)
+    for b in (unet, clip):
+        if b is not None:
+            unmatched &= set(b.report.unmatched)
+    parts = [b.report for b in (unet, clip) if b is not None]
+    report = {
+        "adapter": adapter.name, "fingerprint": adapter.fingerprint, "formats": list(adapter.formats),
+        "layers_in_file": len(adapter.layers),
+        "model_layers": unet.report.matched if unet else 0,
+        "clip_layers": clip.report.matched if clip else 0,
+        "low_rank": sum(r.low_rank for r in parts), "dense": sum(r.dense for r in parts),
+        "unmatched": sorted(unmatched), "leftover": list(adapter.leftover),
+        "partial": bool(unmatched or adapter.leftover),
+    }
+    with _lock:
+        REPORTS[adapter.fingerprint] = report
+        while len(REPORTS) > _REPORTS_KEPT:
+            REPORTS.pop(next(iter(REPORTS)))
+    return report
+
+
+def _log_once(adapter: Adapter, root, report: dict) -> None:
+    key = (adapter.fingerprint, id(root))
+    with _lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    path = "dense" if report["low_rank"] == 0 and report["dense"] else (
+        "mixed" if report["dense"] else "low-rank")
+    line = (f"[MultiLoRA] {adapter.name}: {report['model_layers']} model + {report['clip_layers']} text-encoder "
+            f"layers ({'+'.join(report['formats'])}, {path} path)")
+    if report["unmatched"]:
+        line += f"; {len(report['unmatched'])} unmatched, e.g. {', '.join(report['unmatched'][:3])}"
+    if report["leftover"]:
+        line += f"; {len(report['leftover'])} unparsed keys, e.g. {', '.join(report['leftover'][:3])}"
+    (log.warning if report["partial"] else log.info)(line)
+
+
+# -- the injection ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stack:
+    """What one clone runs with: (adapter, strength) pairs and the slot count to hold them."""
+
+    entries: tuple[tuple[Adapter, float], ...]
+    slots: int
+    kind: str  # "unet" or "clip"
+
+
+class StackInjection(comfy.patcher_extension.PatcherInjection):
+    def __init__(self, stack: Stack, root):
+        super().__init__(self._inject, self._eject)
+        self.stack = stack
+        self.root = root
+
+    def _inject(self, patcher):
+        bank = _bank(patcher, self.root, self.stack.kind, self.stack.slots)
+        bank.activate(self.stack.entries)
+
+    def _eject(self, patcher):
+        bank = self.root.__dict__.get("_lora_engine_bank")
+        if bank is not None:
+            bank.deactivate()
+
+
+def current_stack(patcher) -> Stack | None:
+    injections = patcher.get_injections(INJECTION_KEY) or []
+    for inj in injections:
+        if isinstance(inj, StackInjection):
+            return inj.stack
+    return None
+
+
+def with_stack(patcher, clone, root, entries: list[tuple[Adapter, float]], slots: int, kind: str):
+    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`."""
+    prior = current_stack(patcher)
+    merged = list(prior.entries) + entries if prior else entries
+    slots = max(slots, prior.slots if prior else 0, len({id(a) for a, _ in merged}))
+    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root)])
+    return clone
+
+
+def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list[float], strengths_clip: list[float],
+                max_loras: int):
+    """The MODEL and CLIP clones for one stack. Raises before returning anything on any bad entry."""
+    if len(adapters) > max_loras:
+        names = ", ".join(a.name for a in adapters)
+        raise SlotLimitError(f"the stack has {len(adapters)} entries ({names}) but max_loras is {max_loras}",
+                             remedy="raise max_loras (0 sizes it to the stack), or disable entries")
+    unet_root = model.model
+    clip_root = clip.cond_stage_model if clip is not None else None
+    model_entries, clip_entries = [], []
+    for adapter, sm, sc in zip(adapters, strengths_model, strengths_clip):
+        on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
+        on_clip = _binding(adapter, clip_root, "clip") if clip_root is not None else None
+        if on_model is None and on_clip is None:
+            target = type(unet_root).__name__ + (f" / {type(clip_root).__name__}" if clip_root is not None else "")
+            raise LoRANoMatchError(f"{adapter.name} matches no layer of {target}", path=adapter.path,
+                                   remedy="it is probably a LoRA for another model family")
+        _log_once(adapter, unet_root, _report(adapter, on_model, on_clip))
+        if on_model is not None:
+            model_entries.append((adapter, float(sm)))
+        if on_clip is not None:
+            clip_entries.append((adapter, float(sc)))
+    new_model = model
+    if model_entries:
+        new_model = with_stack(model, model.clone(), unet_root, model_entries, max_loras, "unet")
+    new_clip = clip
+    if clip is not None and clip_entries:
+        new_clip = clip.clone()
+        with_stack(clip.patcher, new_clip.patcher, clip_root, clip_entries, max_loras, "clip")
+    return new_model, new_clip
+
+
+# -- state for the status route --------------------------------------------------------------------------
+
+def loaded_models() -> list[dict]:
+    """ComfyUI's loaded models with their weight patches and backups: with this pack both stay 0."""
+    out = []
+    for lm in list(comfy.model_management.current_loaded_models):
+        patcher = lm.model
+        if patcher is None:
+            continue
+        stack = current_stack(patcher)
+        out.append({"model": type(patcher.model).__name__, "weight_patches": len(patcher.patches),
+                    "weight_backups": len(patcher.backup), "injected": bool(patcher.is_injected),
+                    "stack": [{"name": a.name, "strength": s} for a, s in stack.entries] if stack else []})
+    return out
+
+
+def reports() -> list[dict]:
+    with _lock:
+        return list(REPORTS.values())
+
+
+def server_routes():
+    from server import PromptServer
+    return PromptServer.instance.routes

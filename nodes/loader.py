@@ -1,0 +1,47 @@
+"""MultiLoRALoader: a stack applied at runtime through the engine's slot banks."""
+
+from __future__ import annotations
+
+from . import bridge
+from .stack import CATEGORY, StackError, entries
+
+
+class MultiLoRALoader:
+    DESCRIPTION = ("Applies a LoRA stack at runtime: the base weights are never modified and no weight backups "
+                   "are kept. Every entry (a 0.0 strength too) holds a slot on the compute device, so moving a "
+                   "strength re-patches nothing and reads no file. The LoRAs also go to the text encoder when a "
+                   "CLIP is connected.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL", "CLIP")
+    OUTPUT_TOOLTIPS = ("The model with the stack applied at runtime (a clone; the input is unchanged).",
+                       "The text encoder with the stack applied, or None when no CLIP is connected.")
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The diffusion model."}),
+                "lora_stack": ("LORA_STACK", {"tooltip": "From LoRAStack, LoRAStackFromJSON, or any pack that "
+                                              "builds (lora_name, strength_model, strength_clip) lists."}),
+            },
+            "optional": {
+                "clip": ("CLIP", {"tooltip": "The text encoder; leave empty for a model-only stack."}),
+                "max_loras": ("INT", {"default": 0, "min": 0, "max": 64, "tooltip":
+                                      "Slots to hold on the device. 0 sizes them to the stack. Zero-strength "
+                                      "entries count; disabled entries do not."}),
+            },
+        }
+
+    def apply(self, model, lora_stack, clip=None, max_loras=0):
+        try:
+            items = entries(lora_stack)
+        except StackError as e:
+            raise ValueError(str(e)) from None
+        if not items:
+            return (model, clip)
+        adapters = bridge.load_loras([e.name for e in items])
+        new_model, new_clip = bridge.apply_stack(
+            model, clip, adapters, [e.strength_model for e in items], [e.strength_clip for e in items],
+            max_loras or len(items))
+        return (new_model, new_clip)

@@ -1,0 +1,164 @@
+"""LORA_STACK: a list of (lora_name, strength_model, strength_clip) 3-tuples.
+
+This is the convention of Comfyroll, Efficiency Nodes and LoRA Manager, so their
+stacks plug into ours and ours into theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from . import bridge
+
+STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
+CATEGORY = "loaders/multilora"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    strength_model: float
+    strength_clip: float
+
+
+class StackError(ValueError):
+    pass
+
+
+def entries(stack) -> list[Entry]:
+    """Validated entries of a LORA_STACK from any pack; empty names and 'None' placeholders are skipped."""
+    if stack is None:
+        return []
+    if not isinstance(stack, (list, tuple)):
+        raise StackError(f"lora_stack must be a list of (lora_name, strength_model, strength_clip), got "
+                         f"{type(stack).__name__}")
+    out = []
+    for i, item in enumerate(stack):
+        if not isinstance(item, (list, tuple)) or len(item) < 3:
+            raise StackError(f"lora_stack entry {i} is {item!r}; expected (lora_name, strength_model, strength_clip)")
+        name, sm, sc = item[0], item[1], item[2]
+        if name is None or (isinstance(name, str) and name.strip() in ("", "None")):
+            continue
+        if not isinstance(name, str):
+            raise StackError(f"lora_stack entry {i}: lora_name must be a string, got {name!r}")
+        for field, v in (("strength_model", sm), ("strength_clip", sc)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise StackError(f"lora_stack entry {i} ({name}): {field} must be a finite number, got {v!r}")
+        out.append(Entry(name, float(sm), float(sc)))
+    return out
+
+
+def as_stack(items: list[Entry]) -> list[tuple[str, float, float]]:
+    return [(e.name, e.strength_model, e.strength_clip) for e in items]
+
+
+class LoRAStack:
+    DESCRIPTION = ("Adds one LoRA to a stack. Chain several to build a stack for MultiLoRALoader; every strength "
+                   "is its own input, so any FLOAT output can drive it. A disabled entry is left out of the stack.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LORA_STACK",)
+    RETURN_NAMES = ("lora_stack",)
+    OUTPUT_TOOLTIPS = ("The incoming stack plus this entry: a list of (lora_name, strength_model, strength_clip).",)
+    FUNCTION = "stack"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "lora_name": (bridge.lora_names(), {"tooltip": "A LoRA file from the loras folder."}),
+                "strength_model": ("FLOAT", {**STRENGTH, "tooltip": "Strength on the diffusion model. 0 keeps "
+                                             "the LoRA loaded in its slot, so sweeping through 0 reloads nothing."}),
+                "strength_clip": ("FLOAT", {**STRENGTH, "tooltip": "Strength on the text encoder."}),
+            },
+            "optional": {
+                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off leaves this entry out of the stack."}),
+                "lora_stack": ("LORA_STACK", {"tooltip": "A stack to extend: from another LoRAStack, or from "
+                                              "any pack that uses (name, strength_model, strength_clip) tuples."}),
+            },
+        }
+
+    def stack(self, lora_name, strength_model, strength_clip, enabled=True, lora_stack=None):
+        items = entries(lora_stack)
+        if enabled:
+            items.append(Entry(lora_name, float(strength_model), float(strength_clip)))
+        return (as_stack(items),)
+
+
+FIELDS = {"name", "strength_model", "strength_clip", "enabled"}
+
+
+def parse_json_stack(text: str) -> list[Entry]:
+    """Entries from `{"name": ..., "strength_model": ..., "strength_clip": ..., "enabled": ...}` or a list of them."""
+    try:
+        doc = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError as e:
+        raise StackError(f"stack_json is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    items = doc if isinstance(doc, list) else [doc]
+    out = []
+    for i, obj in enumerate(items):
+        where = f"stack_json entry {i}"
+        if not isinstance(obj, dict):
+            raise StackError(f"{where}: expected an object with a \"name\", got {obj!r}")
+        unknown = set(obj) - FIELDS
+        if unknown:
+            raise StackError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
+                             f"allowed: {', '.join(sorted(FIELDS))}")
+        name = obj.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise StackError(f"{where}: field \"name\" must be a LoRA file name, got {name!r}")
+        sm = obj.get("strength_model", 1.0)
+        sc = obj.get("strength_clip", sm)
+        for field, v in (("strength_model", sm), ("strength_clip", sc)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise StackError(f"{where} ({name}): field \"{field}\" must be a finite number, got {v!r}")
+            if not -100 <= v <= 100:
+                raise StackError(f"{where} ({name}): field \"{field}\" = {v} is outside -100..100")
+        enabled = obj.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise StackError(f"{where} ({name}): field \"enabled\" must be true or false, got {enabled!r}")
+        if enabled:
+            out.append(Entry(name, float(sm), float(sc)))
+    return out
+
+
+class LoRAStackFromJSON:
+    DESCRIPTION = ('A whole stack in one STRING, for API users: {"name": ..., "strength_model": ..., '
+                   '"strength_clip": ..., "enabled": ...} or a list of such objects. A missing strength_model is '
+                   "1.0; a missing strength_clip equals strength_model; a missing enabled is true.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LORA_STACK",)
+    RETURN_NAMES = ("lora_stack",)
+    OUTPUT_TOOLTIPS = ("The incoming stack plus the entries from the JSON.",)
+    FUNCTION = "stack"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "stack_json": ("STRING", {"multiline": True, "default": "[]",
+                                          "tooltip": "JSON: one object or a list of objects with name, "
+                                                     "strength_model, strength_clip and enabled."}),
+            },
+            "optional": {
+                "lora_stack": ("LORA_STACK", {"tooltip": "A stack to extend."}),
+            },
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, stack_json=None):
+        if not isinstance(stack_json, str):
+            return True  # linked from another node: checked when it runs
+        try:
+            items = parse_json_stack(stack_json)
+        except StackError as e:
+            return str(e)
+        known = set(bridge.lora_names())
+        for i, e in enumerate(items):
+            if e.name not in known:
+                return f"stack_json entry {i}: field \"name\": no LoRA named {e.name!r} in the loras folders"
+        return True
+
+    def stack(self, stack_json, lora_stack=None):
+        return (as_stack(entries(lora_stack) + parse_json_stack(stack_json)),)

@@ -1,0 +1,92 @@
+"""Host tier: tests that drive a real ComfyUI server (CPU) with synthetic models.
+
+Run with any python that has pytest (the server itself runs with ComfyUI's
+python):  python3 -m pytest tests/host -m host
+
+Environment:
+  COMFYUI_PATH          ComfyUI checkout (default ~/comfy/ComfyUI)
+  COMFYUI_PYTHON        python for the server (default <checkout>/.venv/bin/python)
+  MULTILORA_HOST_CACHE  cache for synthetic model files (default <tmp>/comfyui-multilora-host-cache)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tools import comfy_server as cs
+from tools import synth
+
+HOST_DIR = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "host: needs a real ComfyUI checkout; starts a ComfyUI server on 127.0.0.1 (CPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HOST_DIR in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.host)
+
+
+@pytest.fixture(scope="session")
+def comfy_root() -> Path:
+    root = cs.find_comfy_root()
+    if root is None:
+        looked = ", ".join(str(p) for p in cs.comfy_search_locations())
+        pytest.skip(f"host tier skipped: no ComfyUI checkout (main.py + comfy/) found; looked at {looked}; "
+                    f"set COMFYUI_PATH to enable")
+    py = cs.find_comfy_python(root)
+    if not (os.path.isfile(py) and os.access(py, os.X_OK)):
+        pytest.skip(f"host tier skipped: ComfyUI python {py!r} is not executable (set COMFYUI_PYTHON)")
+    return root
+
+
+@pytest.fixture(scope="session")
+def comfy_python(comfy_root) -> str:
+    return cs.find_comfy_python(comfy_root)
+
+
+@pytest.fixture(scope="session")
+def synth_assets(comfy_root, comfy_python) -> dict:
+    """Paths of the cached synthetic checkpoint and LoRAs (built on first use)."""
+    return synth.ensure_assets_any_python(comfy_root=comfy_root, python=comfy_python)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory, synth_assets) -> Path:
+    """A models/ tree (checkpoints, loras, diffusion_models, vae, clip) linking the synthetic files.
+
+    File names: synth.CHECKPOINT_NAME in checkpoints/, synth.LORA_NAMES[kind] in loras/.
+    """
+    root = tmp_path_factory.mktemp("models")
+    for sub in cs.MODEL_SUBDIRS:
+        (root / sub).mkdir()
+    (root / "checkpoints" / synth.CHECKPOINT_NAME).symlink_to(synth_assets["checkpoint"])
+    for kind, path in synth_assets["loras"].items():
+        # Real files, not symlinks: the pack refuses LoRA names that resolve outside the loras folders.
+        place(path, root / "loras" / synth.LORA_NAMES[kind])
+    return root
+
+
+def place(src, dst) -> None:
+    """Hard-link `src` to `dst` (a copy across file systems)."""
+    import shutil
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+@pytest.fixture(scope="session")
+def server(comfy_root, comfy_python, models_dir, tmp_path_factory):
+    srv = cs.ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
+                         workdir=tmp_path_factory.mktemp("comfy"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

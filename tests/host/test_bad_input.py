@@ -1,0 +1,145 @@
+"""Bad input through the API: each case fails its prompt with one clear message, and the next
+prompt gives exactly the image it gave before (the server keeps serving, the model is unchanged)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tools.comfy_server import ComfyExecutionError, ComfyInterrupted, ComfyPromptError
+
+from . import workflows as wf
+
+pytestmark = pytest.mark.host
+
+LOADER = "5"
+GOOD = wf.NAMES["style.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def bad_files(models_dir, tmp_path_factory):
+    loras = models_dir / "loras"
+    good = (loras / GOOD).read_bytes()
+    (loras / "bad_truncated.safetensors").write_bytes(good[: len(good) // 3])
+    (loras / "bad_pickled.safetensors").write_bytes(pickle.dumps({"lora_unet_x.lora_down.weight": 1}))
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 3072),
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(9216, 4)},
+              str(loras / "bad_flux_family.safetensors"))
+    from safetensors import safe_open
+    with safe_open(str(loras / GOOD), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = next(k for k in tensors if k.endswith("lora_up.weight"))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, str(loras / "bad_nan.safetensors"))
+    outside = tmp_path_factory.mktemp("outside") / "escaped.safetensors"
+    outside.write_bytes(good)
+    os.symlink(outside, loras / "bad_symlink_escape.safetensors")
+    return loras
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return wf.small(wf.load("multilora_api.json"), prefix="bad")
+
+
+@pytest.fixture(scope="module")
+def expected(server, ours):
+    images = server.run(ours)
+    assert len(images) == 1
+    return images[0]
+
+
+def with_first_entry(ours, name):
+    return wf.set_entry(ours, GOOD, lora_name=name)
+
+
+def json_stack_from_string_node(ours, names):
+    """The stack arrives as a STRING from another node, so it is not validated before execution."""
+    p = {k: v for k, v in copy.deepcopy(ours).items() if v["class_type"] != "LoRAStack"}
+    p["40"] = {"class_type": "PrimitiveString", "inputs": {"value": json.dumps([{"name": n} for n in names])}}
+    p["41"] = {"class_type": "LoRAStackFromJSON", "inputs": {"stack_json": ["40", 0]}}
+    p[LOADER]["inputs"]["lora_stack"] = ["41", 0]
+    return p
+
+
+EXECUTION_ERRORS = [
+    # (case, prompt maker, the texts the message must contain)
+    ("truncated", lambda o: with_first_entry(o, "bad_truncated.safetensors"), ["bad_truncated.safetensors", "truncated"]),
+    ("pickled", lambda o: with_first_entry(o, "bad_pickled.safetensors"), ["bad_pickled.safetensors", "pickle"]),
+    ("other family", lambda o: with_first_entry(o, "bad_flux_family.safetensors"),
+     ["bad_flux_family.safetensors", "matches no layer", "BaseModel"]),
+    ("nan", lambda o: with_first_entry(o, "bad_nan.safetensors"), ["bad_nan.safetensors", "NaN"]),
+    ("symlink escape", lambda o: with_first_entry(o, "bad_symlink_escape.safetensors"),
+     ["bad_symlink_escape.safetensors", "outside"]),
+    ("over max_loras", lambda o: {**o, LOADER: {**o[LOADER], "inputs": {**o[LOADER]["inputs"], "max_loras": 2}}},
+     ["max_loras is 2", GOOD]),
+    ("dot-dot through a linked string", lambda o: json_stack_from_string_node(o, ["../" + GOOD]), ["'..'"]),
+    ("absolute path through a linked string", lambda o: json_stack_from_string_node(o, ["/etc/passwd"]),
+     ["absolute"]),
+    ("NUL byte through a linked string", lambda o: json_stack_from_string_node(o, [GOOD + "\x00.txt"]), ["NUL"]),
+    ("overlong name through a linked string", lambda o: json_stack_from_string_node(o, ["a" * 5000]),
+     ["longer than"]),
+    ("missing file through a linked string", lambda o: json_stack_from_string_node(o, ["nope.safetensors"]),
+     ["nope.safetensors", "no file named"]),
+]
+
+
+@pytest.mark.parametrize("case,make,texts", EXECUTION_ERRORS, ids=[c[0] for c in EXECUTION_ERRORS])
+def test_execution_error_then_the_same_image(server, bad_files, ours, expected, case, make, texts):
+    with pytest.raises(ComfyExecutionError) as e:
+        server.run(make(copy.deepcopy(ours)))
+    msg = str(e.value)
+    for t in texts:
+        assert t in msg, (t, msg)
+    images = server.run(ours)
+    assert np.array_equal(images[0], expected)
+
+
+VALIDATION_ERRORS = [
+    ("missing name", lambda o: with_first_entry(o, "missing.safetensors"), "missing.safetensors"),
+    ("dot-dot name", lambda o: with_first_entry(o, "../" + GOOD), GOOD),
+    ("json unknown field", lambda o: {**{k: v for k, v in o.items() if v["class_type"] != "LoRAStack"},
+                                      "40": {"class_type": "LoRAStackFromJSON", "inputs": {
+                                          "stack_json": json.dumps([{"name": GOOD, "strenght": 1}])}},
+                                      LOADER: {**o[LOADER], "inputs": {**o[LOADER]["inputs"],
+                                                                        "lora_stack": ["40", 0]}}},
+     "strenght"),
+    ("json missing file", lambda o: {**{k: v for k, v in o.items() if v["class_type"] != "LoRAStack"},
+                                     "40": {"class_type": "LoRAStackFromJSON", "inputs": {
+                                         "stack_json": json.dumps({"name": "nope.safetensors"})}},
+                                     LOADER: {**o[LOADER], "inputs": {**o[LOADER]["inputs"],
+                                                                       "lora_stack": ["40", 0]}}},
+     "nope.safetensors"),
+]
+
+
+@pytest.mark.parametrize("case,make,text", VALIDATION_ERRORS, ids=[c[0] for c in VALIDATION_ERRORS])
+def test_validation_error_before_execution(server, ours, expected, case, make, text):
+    with pytest.raises(ComfyPromptError) as e:
+        server.post_prompt(make(copy.deepcopy(ours)))
+    assert text in str(e.value)
+    assert np.array_equal(server.run(ours)[0], expected)
+
+
+def test_interrupt_during_sampling_leaves_nothing_behind(server, ours, expected):
+    long = wf.small(wf.load("multilora_api.json"), steps=300, prefix="long")
+    pid = server.post_prompt(long)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if any(item[1] == pid for item in server.queue().get("queue_running", [])):
+            break
+        time.sleep(0.1)
+    time.sleep(2.0)  # inside the sampling loop
+    server.interrupt(pid)
+    with pytest.raises(ComfyInterrupted):
+        server.wait(pid, timeout=120)
+    assert np.array_equal(server.run(ours)[0], expected)

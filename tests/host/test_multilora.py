@@ -1,0 +1,226 @@
+"""MultiLoRALoader and LoRAStack on a real ComfyUI server, against stock LoraLoader chains.
+
+Tolerances come from measured noise floors, in mean absolute difference of uint8 pixels (MAD):
+
+- Our runtime path computes f(x) + s·B·A·x; the stock loader computes f'(x) with
+  W' = round(W + s·ΔW). ComfyUI has both forms itself: its fused loader and its bypass
+  loader. Their MAD on one LoRA is the floor of "same math, rounded elsewhere".
+- The stock chain run in reverse order is the same sum fused in another order.
+- On CPU, CLIP weights are fp16, and the stock loader rounds the fused CLIP weights to
+  fp16 (ours adds the delta to the output instead). The floor for that is the stock
+  image itself moving when only the text encoder's storage precision changes
+  (`--fp32-text-enc` on a second server).
+
+Ours must agree with stock within 3× the largest floor that applies, and the LoRAs' own
+effect must be at least 10× larger than that tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from . import workflows as wf
+
+pytestmark = pytest.mark.host
+
+EXAMPLE = "multilora_api.json"
+LOADER = "5"
+NAMES = [wf.NAMES["style.safetensors"], wf.NAMES["character.safetensors"], wf.NAMES["detail.safetensors"]]
+
+
+def mad(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
+
+
+def one(server, prompt) -> np.ndarray:
+    images = server.run(prompt)
+    assert len(images) == 1
+    return images[0]
+
+
+def status(server) -> dict:
+    return server.get_json("/multilora/status")
+
+
+@pytest.fixture(scope="module")
+def ours(server):
+    """The example workflow, on the synthetic models."""
+    return wf.small(wf.load(EXAMPLE), prefix="ours")
+
+
+@pytest.fixture(scope="module")
+def reference(server, ours):
+    """Images every test compares against, computed once."""
+    stock = wf.to_stock(ours, LOADER)
+    reverse = copy.deepcopy(stock)
+    chain = [reverse[f"stock{j}"]["inputs"] for j in range(3)]
+    names = [(c["lora_name"], c["strength_model"], c["strength_clip"]) for c in chain]
+    for c, (n, sm, sc) in zip(chain, names[::-1]):
+        c.update(lora_name=n, strength_model=sm, strength_clip=sc)
+    base = copy.deepcopy(stock)
+    for j in range(3):
+        base[f"stock{j}"]["inputs"].update(strength_model=0.0, strength_clip=0.0)
+    return {"stock": one(server, stock), "stock_reversed": one(server, reverse), "base": one(server, base),
+            "ours": one(server, ours)}
+
+
+def test_nodes_are_registered_with_the_fixed_contract(server):
+    info = server.object_info()
+    for name in ("LoRAStack", "MultiLoRALoader", "LoRAStackFromJSON"):
+        assert name in info, f"{name} missing; pack import error: {server.pack_import_error()}"
+        assert info[name]["description"]
+    stack = info["LoRAStack"]["input"]
+    assert set(stack["required"]) == {"lora_name", "strength_model", "strength_clip"}
+    assert set(stack["optional"]) == {"enabled", "lora_stack"}
+    assert stack["required"]["strength_model"][1]["min"] == -100 and stack["required"]["strength_model"][1]["max"] == 100
+    assert stack["required"]["strength_model"][1]["step"] == 0.01
+    assert all("tooltip" in v[1] for part in stack.values() for v in part.values())
+    loader = info["MultiLoRALoader"]["input"]
+    assert set(loader["required"]) == {"model", "lora_stack"} and set(loader["optional"]) == {"clip", "max_loras"}
+    assert info["MultiLoRALoader"]["output"] == ["MODEL", "CLIP"]
+    assert info["LoRAStack"]["output"] == ["LORA_STACK"]
+
+
+def fused_vs_bypass(server, ours) -> tuple[np.ndarray, np.ndarray]:
+    """One LoRA, model only, through ComfyUI's fused loader and through its bypass loader."""
+    out = []
+    for kind in ("LoraLoaderModelOnly", "LoraLoaderBypassModelOnly"):
+        p = wf.to_stock(ours, LOADER)
+        for j in range(3):
+            del p[f"stock{j}"]
+        p["m"] = {"class_type": kind, "inputs": {"model": ["1", 0], "lora_name": NAMES[0], "strength_model": 0.8}}
+        for node in p.values():
+            for k, v in node["inputs"].items():
+                if isinstance(v, list) and len(v) == 2 and v[0].startswith("stock"):
+                    node["inputs"][k] = ["m", 0] if v[1] == 0 else ["1", 1]
+        out.append(one(server, p))
+    return out[0], out[1]
+
+
+def model_only(ours):
+    p = wf.set_entry(ours, NAMES[0], strength_clip=0.0)
+    for name in NAMES[1:]:
+        p = wf.drop_entry(p, name)
+    return p
+
+
+@pytest.fixture(scope="module")
+def fp32_text_encoder(comfy_root, comfy_python, models_dir, tmp_path_factory):
+    from tools.comfy_server import ComfyServer
+    srv = ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
+                      workdir=tmp_path_factory.mktemp("comfy_fp32te"), extra_args=["--fp32-text-enc"])
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_model_only_matches_stock_within_fused_vs_bypass_floor(server, ours, record_property):
+    fused, bypass = fused_vs_bypass(server, ours)
+    floor = mad(fused, bypass)
+    mine = one(server, model_only(ours))
+    diff = mad(mine, fused)
+    record_property("floor_fused_vs_bypass", floor)
+    record_property("ours_vs_fused", diff)
+    print(f"\nmodel only: floor (ComfyUI fused vs bypass) {floor:.6f}; ours vs fused {diff:.6f}")
+    assert diff <= 3 * floor
+
+
+def test_matches_a_stock_lora_loader_chain(server, reference, fp32_text_encoder, ours, record_property):
+    stock_fp32te = one(fp32_text_encoder, wf.to_stock(ours, LOADER))
+    ours_fp32te = one(fp32_text_encoder, ours)
+    fused, bypass = fused_vs_bypass(fp32_text_encoder, ours)
+    floors = {
+        "reversed order": mad(reference["stock"], reference["stock_reversed"]),
+        "fused vs bypass": mad(fused, bypass),
+        "fp16 vs fp32 text encoder": mad(reference["stock"], stock_fp32te),
+    }
+    effect = mad(reference["stock"], reference["base"])
+    # With fp32 CLIP weights there is no fp16 rounding of fused weights: only the first two floors apply.
+    tol_fp32 = 3 * max(floors["reversed order"], floors["fused vs bypass"])
+    tol = 3 * max(floors.values())
+    diff_fp32 = mad(ours_fp32te, stock_fp32te)
+    diff = mad(reference["ours"], reference["stock"])
+    for k, v in floors.items():
+        record_property("floor " + k, v)
+    record_property("ours_vs_stock", diff)
+    record_property("ours_vs_stock_fp32_text_encoder", diff_fp32)
+    print("\nfloors: " + ", ".join(f"{k} {v:.5f}" for k, v in floors.items()) +
+          f"\nfp32 text encoder: ours vs stock {diff_fp32:.5f} (tolerance {tol_fp32:.5f})"
+          f"\nfp16 text encoder: ours vs stock {diff:.5f} (tolerance {tol:.5f}); LoRA effect {effect:.2f}")
+    assert effect > 10 * tol
+    assert diff_fp32 <= tol_fp32
+    assert diff <= tol
+
+
+def test_disabled_and_zero_entries_equal_leaving_the_lora_out(server, ours):
+    name = NAMES[1]
+    without = one(server, wf.drop_entry(ours, name))
+    disabled = one(server, wf.set_entry(ours, name, enabled=False))
+    zero = one(server, wf.set_entry(ours, name, strength_model=0.0, strength_clip=0.0))
+    assert np.array_equal(disabled, without)
+    assert np.array_equal(zero, without)
+
+
+def test_strength_only_rerun_reads_no_file_and_patches_no_weight(server, ours, reference):
+    one(server, ours)  # warm
+    before = status(server)
+    changed = one(server, wf.set_entry(ours, NAMES[0], strength_model=0.3))
+    after = status(server)
+    assert mad(changed, reference["ours"]) > 1.0  # the new strength took effect
+    assert after["cache"]["misses"] == before["cache"]["misses"]  # no LoRA file read again
+    assert after["cache"]["hits"] > before["cache"]["hits"]
+    copies = lambda s: sum(b["copies"] for b in s["banks"])  # noqa: E731
+    assert copies(after) == copies(before)  # no adapter re-copied into a slot
+    for m in after["loaded_models"]:
+        assert m["weight_patches"] == 0 and m["weight_backups"] == 0, m
+    model_banks = [b for b in after["banks"] if "text encoder" not in b["model"]]
+    assert model_banks and sorted(s["name"] for s in model_banks[0]["slots"] if s) == sorted(NAMES)
+    # And back: the first strength gives the first image again, bit for bit.
+    assert np.array_equal(one(server, ours), reference["ours"])
+
+
+def test_seed_only_rerun_reads_no_file(server, ours):
+    one(server, ours)
+    before = status(server)
+    wf_seed = wf.small(wf.load(EXAMPLE), seed=7, prefix="seed")
+    one(server, wf_seed)
+    after = status(server)
+    assert after["cache"]["misses"] == before["cache"]["misses"]
+    assert sum(b["copies"] for b in after["banks"]) == sum(b["copies"] for b in before["banks"])
+
+
+def test_stack_from_json_equals_the_chained_nodes(server, ours, reference):
+    p = copy.deepcopy(ours)
+    entries = wf.stack_entries(p, LOADER)
+    for nid in [k for k, v in p.items() if v["class_type"] == "LoRAStack"]:
+        del p[nid]
+    import json
+    text = json.dumps([{"name": n, "strength_model": sm, "strength_clip": sc, "enabled": en}
+                       for n, sm, sc, en in entries])
+    p["40"] = {"class_type": "LoRAStackFromJSON", "inputs": {"stack_json": text}}
+    p[LOADER]["inputs"]["lora_stack"] = ["40", 0]
+    assert np.array_equal(one(server, p), reference["ours"])
+
+
+def test_two_samplers_with_different_stacks_on_one_base(server, ours):
+    single_a = one(server, wf.set_entry(ours, NAMES[0], strength_model=1.0))
+    only_b = wf.drop_entry(wf.drop_entry(ours, NAMES[0]), NAMES[1])
+    single_b = one(server, only_b)
+    graph = wf.set_entry(ours, NAMES[0], strength_model=1.0)
+    # A second branch: its own MultiLoRALoader on the same checkpoint, with only the third entry.
+    for nid, node in copy.deepcopy(only_b).items():
+        graph["b" + nid] = node
+        for k, v in node["inputs"].items():
+            if isinstance(v, list) and len(v) == 2:
+                graph["b" + nid]["inputs"][k] = ["b" + v[0], v[1]] if v[0] != "1" else v
+    del graph["b1"]
+    images = server.run(graph)
+    assert len(images) == 2
+    got = {mad(img, single_a) < mad(img, single_b): img for img in images}
+    assert np.array_equal(got[True], single_a) and np.array_equal(got[False], single_b)

@@ -1,0 +1,105 @@
+"""The example workflows, made runnable on the synthetic models, and their stock-node references."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from tools import synth
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "workflows"
+
+# Example file names -> synthetic files in the test models folder.
+NAMES = {
+    "v1-5-pruned-emaonly.safetensors": synth.CHECKPOINT_NAME,
+    "style.safetensors": synth.LORA_NAMES["kohya"],
+    "character.safetensors": synth.LORA_NAMES["peft"],
+    "detail.safetensors": synth.LORA_NAMES["locon"],
+}
+
+
+def load(name: str) -> dict:
+    return json.loads((EXAMPLES / name).read_text())
+
+
+def small(prompt: dict, *, size: int = 64, steps: int = 2, cfg: float = 2.0, seed: int | None = None,
+          prefix: str | None = None) -> dict:
+    """Rename files to the synthetic ones, and shrink the sampling so that a CPU runs it in seconds."""
+    p = copy.deepcopy(prompt)
+    for node in p.values():
+        node.pop("_meta", None)
+        inputs = node["inputs"]
+        for key in ("ckpt_name", "lora_name", "unet_name"):
+            if isinstance(inputs.get(key), str):
+                inputs[key] = NAMES.get(inputs[key], inputs[key])
+        if node["class_type"] == "EmptyLatentImage":
+            inputs.update(width=size, height=size)
+        if node["class_type"] == "KSampler":
+            inputs.update(steps=steps, cfg=cfg)
+            if seed is not None:
+                inputs["seed"] = seed
+        if node["class_type"] == "SaveImage" and prefix:
+            inputs["filename_prefix"] = prefix
+    return p
+
+
+def stack_entries(prompt: dict, loader_id: str) -> list[tuple[str, float, float, bool]]:
+    """The chain of LoRAStack nodes feeding a MultiLoRALoader, first entry first."""
+    out = []
+    link = prompt[loader_id]["inputs"]["lora_stack"]
+    while link is not None:
+        node = prompt[link[0]]
+        assert node["class_type"] == "LoRAStack", node["class_type"]
+        i = node["inputs"]
+        out.append((i["lora_name"], i["strength_model"], i["strength_clip"], i.get("enabled", True)))
+        link = i.get("lora_stack")
+    return out[::-1]
+
+
+def to_stock(prompt: dict, loader_id: str) -> dict:
+    """The same graph with the stack and MultiLoRALoader replaced by a chain of stock LoraLoader nodes."""
+    p = copy.deepcopy(prompt)
+    entries = stack_entries(p, loader_id)
+    loader = p.pop(loader_id)
+    for nid in [k for k, v in p.items() if v["class_type"] == "LoRAStack"]:
+        del p[nid]
+    model, clip = loader["inputs"]["model"], loader["inputs"].get("clip")
+    for j, (name, sm, sc, enabled) in enumerate(entries):
+        if not enabled:
+            continue
+        nid = f"stock{j}"
+        p[nid] = {"class_type": "LoraLoader", "inputs": {"model": model, "clip": clip, "lora_name": name,
+                                                          "strength_model": sm, "strength_clip": sc}}
+        model, clip = [nid, 0], [nid, 1]
+    for node in p.values():
+        for k, v in node["inputs"].items():
+            if isinstance(v, list) and len(v) == 2 and v[0] == loader_id:
+                node["inputs"][k] = model if v[1] == 0 else clip
+    return p
+
+
+def set_entry(prompt: dict, entry_name: str, /, **inputs) -> dict:
+    """A copy with the LoRAStack entry for `lora_name` changed."""
+    p = copy.deepcopy(prompt)
+    for node in p.values():
+        if node["class_type"] == "LoRAStack" and node["inputs"]["lora_name"] == entry_name:
+            node["inputs"].update(inputs)
+            return p
+    raise KeyError(entry_name)
+
+
+def drop_entry(prompt: dict, lora_name: str) -> dict:
+    """A copy with the LoRAStack entry for `lora_name` removed from its chain."""
+    p = copy.deepcopy(prompt)
+    nid = next(k for k, v in p.items() if v["class_type"] == "LoRAStack" and v["inputs"]["lora_name"] == lora_name)
+    upstream = p[nid]["inputs"].get("lora_stack")
+    for node in p.values():
+        for k, v in list(node["inputs"].items()):
+            if isinstance(v, list) and len(v) == 2 and v[0] == nid:
+                if upstream is None:
+                    del node["inputs"][k]
+                else:
+                    node["inputs"][k] = upstream
+    del p[nid]
+    return p

@@ -1,0 +1,604 @@
+"""Start and drive a real ComfyUI server: for the host-tier tests and `tools/run_workflow.py`.
+
+Nothing here imports ComfyUI: the server is a separate process started with
+ComfyUI's own Python (its venv), and everything else talks to it over HTTP on
+127.0.0.1 only.
+
+Locating ComfyUI:
+  * checkout: $COMFYUI_PATH, else ~/comfy/ComfyUI (a directory holding main.py
+    and comfy/).
+  * python:   $COMFYUI_PYTHON, else <checkout>/.venv/bin/python, else
+    <checkout>/venv/bin/python, else sys.executable.
+
+Isolation: each ComfyServer gets its own temporary work directory with
+output/, input/, temp/, user/, a sqlite database, a custom_nodes/ directory
+holding a symlink named ``ComfyUI-MultiLoRA`` to the pack root, and an
+extra_model_paths.yaml that points ComfyUI at a caller-supplied models
+directory (checkpoints, loras, diffusion_models, vae, clip) and at that
+custom_nodes/ directory (utils/extra_config.py accepts any folder name,
+``custom_nodes`` included).  The ComfyUI checkout itself is never written to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+HOST = "127.0.0.1"
+PACK_DIR_NAME = "ComfyUI-MultiLoRA"
+MODEL_SUBDIRS = ("checkpoints", "loras", "diffusion_models", "vae", "clip")
+DEFAULT_COMFY_PATH = Path("~/comfy/ComfyUI").expanduser()
+PACK_ROOT = Path(__file__).resolve().parents[1]
+
+# Bounded defaults (seconds).
+STARTUP_TIMEOUT = 180.0
+HTTP_TIMEOUT = 30.0
+RUN_TIMEOUT = 300.0
+STOP_TIMEOUT = 20.0
+
+
+# ComfyUI 0.28 imports torchaudio unconditionally on its startup path
+# (comfy/sd.py -> comfy/ldm/lightricks/vae/audio_vae.py, comfy/text_encoders/gemma4.py)
+# although only audio models use it.  When the ComfyUI python lacks it (no
+# torchaudio build exists for every torch), the harness puts this stub on the
+# server's PYTHONPATH: importing works, any use raises.
+_TORCHAUDIO_STUB = '''"""torchaudio stub written by tests/host/comfy_server.py: import works, any use raises."""
+import sys, types
+__version__ = "0.0.0+host-test-stub"
+_MSG = "torchaudio is not installed in this ComfyUI python (host-test stub)"
+
+def _missing(name):
+    def _raise(*a, **k):
+        raise ModuleNotFoundError(_MSG + ": " + name)
+    return type(name, (), {"__init__": _raise, "__init_subclass__": classmethod(lambda cls, **k: None)})
+
+class _Sub(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _missing(self.__name__ + "." + name)
+
+for _n in ("functional", "transforms", "io", "models", "pipelines", "compliance", "compliance.kaldi", "sox_effects", "backend"):
+    _m = _Sub(__name__ + "." + _n)
+    sys.modules[_m.__name__] = _m
+    if "." not in _n:
+        globals()[_n] = _m
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _missing("torchaudio." + name)
+'''
+
+
+class ComfyError(RuntimeError):
+    """Base class for errors reported by the ComfyUI server."""
+
+
+class ComfyPromptError(ComfyError):
+    """The server rejected a prompt at validation time (HTTP 400)."""
+
+    def __init__(self, message: str, response: dict | None = None):
+        super().__init__(message)
+        self.response = response or {}
+
+
+class ComfyExecutionError(ComfyError):
+    """A queued prompt failed while executing."""
+
+    def __init__(self, message: str, entry: dict | None = None, details: dict | None = None):
+        super().__init__(message)
+        self.entry = entry or {}
+        self.details = details or {}
+
+
+class ComfyInterrupted(ComfyExecutionError):
+    """A queued prompt was interrupted."""
+
+
+# --------------------------------------------------------------------------
+# locating ComfyUI
+
+
+def comfy_search_locations() -> list[Path]:
+    """The checkout candidates, in the order they are tried."""
+    out = []
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        out.append(Path(env).expanduser())
+    out.append(DEFAULT_COMFY_PATH)
+    return out
+
+
+def is_comfy_root(path: Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy").is_dir()
+
+
+def find_comfy_root() -> Path | None:
+    for cand in comfy_search_locations():
+        if is_comfy_root(cand):
+            return cand.resolve()
+    return None
+
+
+def find_comfy_python(comfy_root: Path) -> str:
+    env = os.environ.get("COMFYUI_PYTHON")
+    if env:
+        return env
+    for rel in (".venv/bin/python", "venv/bin/python"):
+        cand = Path(comfy_root) / rel
+        if cand.exists():
+            return str(cand)
+    return sys.executable
+
+
+def python_has_module(python: str, module: str, timeout: float = 60.0) -> bool:
+    try:
+        res = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return res.returncode == 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def supported_cli_flags(comfy_root: Path) -> set[str]:
+    """The ``--flags`` that this checkout's comfy/cli_args.py declares."""
+    text = (Path(comfy_root) / "comfy" / "cli_args.py").read_text(encoding="utf-8")
+    flags = set()
+    for part in text.split('"--')[1:]:
+        name = part.split('"', 1)[0]
+        if name and all(c.isalnum() or c == "-" for c in name):
+            flags.add("--" + name)
+    return flags
+
+
+# --------------------------------------------------------------------------
+# server
+
+
+class ComfyServer:
+    """A ComfyUI server process bound to 127.0.0.1 on a free port.
+
+    Usage::
+
+        with ComfyServer(models_dir=...) as srv:
+            images = srv.run(prompt)
+    """
+
+    def __init__(
+        self,
+        comfy_root: str | os.PathLike | None = None,
+        python: str | None = None,
+        models_dir: str | os.PathLike | None = None,
+        pack_root: str | os.PathLike | None = PACK_ROOT,
+        workdir: str | os.PathLike | None = None,
+        extra_args: Iterable[str] = (),
+        only_pack_custom_nodes: bool = True,
+        torchaudio_stub: bool | None = None,
+        startup_timeout: float = STARTUP_TIMEOUT,
+        env: dict | None = None,
+        cpu: bool = True,
+    ):
+        root = Path(comfy_root) if comfy_root else find_comfy_root()
+        if root is None or not is_comfy_root(root):
+            raise FileNotFoundError(
+                "ComfyUI checkout not found; looked at: "
+                + ", ".join(str(p) for p in comfy_search_locations())
+            )
+        self.comfy_root = Path(root).resolve()
+        self.python = python or find_comfy_python(self.comfy_root)
+        self.pack_root = Path(pack_root).resolve() if pack_root else None
+        self.extra_args = list(extra_args)
+        self.only_pack_custom_nodes = only_pack_custom_nodes
+        self.torchaudio_stub = torchaudio_stub  # None: only when the python lacks torchaudio
+        self.startup_timeout = float(startup_timeout)
+        self.env = dict(env or {})
+        self.cpu = cpu
+        self._url: str | None = None
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="comfy-host-"))
+        self.models_dir = Path(models_dir) if models_dir else self.workdir / "models"
+        self.output_dir = self.workdir / "output"
+        self.input_dir = self.workdir / "input"
+        self.temp_dir = self.workdir / "temp"
+        self.user_dir = self.workdir / "user"
+        self.custom_nodes_dir = self.workdir / "custom_nodes"
+        self.log_path = self.workdir / "comfyui.log"
+        self.yaml_path = self.workdir / "extra_model_paths.yaml"
+        self.client_id = uuid.uuid4().hex
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.proc_rc: int | None = None
+        self._log_file = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self._url or f"http://{HOST}:{self.port}"
+
+    @classmethod
+    def attach(cls, url: str, comfy_root: str | os.PathLike | None = None) -> "ComfyServer":
+        """Drive a server that is already running at `url` (nothing is started or stopped).
+        Images are read back through its /view route."""
+        root = comfy_root or find_comfy_root() or Path(tempfile.gettempdir())
+        srv = cls.__new__(cls)
+        srv.__init__(comfy_root=root) if is_comfy_root(Path(root)) else None
+        srv._url = url.rstrip("/")
+        srv.proc = None
+        return srv
+
+    def _prepare_dirs(self) -> None:
+        for d in (self.output_dir, self.input_dir, self.temp_dir, self.user_dir, self.custom_nodes_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        for sub in MODEL_SUBDIRS:
+            (self.models_dir / sub).mkdir(parents=True, exist_ok=True)
+        if self.pack_root is not None:
+            link = self.custom_nodes_dir / PACK_DIR_NAME
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(self.pack_root, target_is_directory=True)
+        lines = ["multilora_host_tests:", f"  base_path: {json.dumps(str(self.models_dir))}"]
+        for sub in MODEL_SUBDIRS:
+            lines.append(f"  {sub}: {sub}")
+        lines.append(f"  custom_nodes: {json.dumps(str(self.custom_nodes_dir))}")
+        self.yaml_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        if self.torchaudio_stub is None:
+            self.torchaudio_stub = not python_has_module(self.python, "torchaudio")
+        if self.torchaudio_stub:
+            stub = self.workdir / "shims" / "torchaudio"
+            stub.mkdir(parents=True, exist_ok=True)
+            (stub / "__init__.py").write_text(_TORCHAUDIO_STUB, encoding="utf-8")
+
+    def command(self) -> list[str]:
+        flags = supported_cli_flags(self.comfy_root)
+        cmd = [
+            self.python, "main.py",
+            *(["--cpu"] if self.cpu else []),
+            "--listen", HOST,
+            "--port", str(self.port),
+            "--disable-auto-launch",
+            "--extra-model-paths-config", str(self.yaml_path),
+            "--output-directory", str(self.output_dir),
+            "--input-directory", str(self.input_dir),
+            "--temp-directory", str(self.temp_dir),
+        ]
+        optional = [
+            ("--user-directory", [str(self.user_dir)]),
+            ("--database-url", ["sqlite:///" + str(self.workdir / "comfyui.db")]),
+            ("--disable-api-nodes", []),
+        ]
+        if self.only_pack_custom_nodes and self.pack_root is not None:
+            optional += [("--disable-all-custom-nodes", []), ("--whitelist-custom-nodes", [PACK_DIR_NAME])]
+        for flag, values in optional:
+            if flag in flags:
+                cmd += [flag, *values]
+        missing = [f for f in ("--listen", "--port", "--disable-auto-launch", "--extra-model-paths-config",
+                               "--output-directory", "--input-directory", "--temp-directory") if f not in flags]
+        if missing:
+            raise RuntimeError(f"this ComfyUI's cli_args.py lacks required flags: {missing}")
+        return cmd + self.extra_args
+
+    def start(self) -> "ComfyServer":
+        if self.proc is not None:
+            return self
+        self._prepare_dirs()
+        last_err = None
+        for _attempt in range(3):
+            self.port = free_port()
+            try:
+                self._spawn_and_wait()
+                return self
+            except _PortInUse as e:
+                last_err = e
+                continue
+        raise RuntimeError(f"could not start ComfyUI: {last_err}")
+
+    def _spawn_and_wait(self) -> None:
+        env = dict(os.environ)
+        env.update({"PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+        if self.torchaudio_stub:
+            shim_dir = str(self.workdir / "shims")
+            env["PYTHONPATH"] = shim_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(self.env)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n===== start {' '.join(self.command())}\n".encode())
+        if self.torchaudio_stub:
+            self._log_file.write(b"===== [host harness] torchaudio missing in the ComfyUI python: using a stub module\n")
+        self._log_file.flush()
+        self.proc = subprocess.Popen(
+            self.command(),
+            cwd=str(self.comfy_root),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self._reap()
+                if "address already in use" in tail.lower():
+                    raise _PortInUse(tail[-500:])
+                raise RuntimeError(f"ComfyUI exited during startup (rc={self.proc_rc}); log tail:\n{tail}")
+            try:
+                self._request("GET", "/system_stats", timeout=2.0)
+                return
+            except (urllib.error.URLError, ConnectionError, OSError, TimeoutError):
+                time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer /system_stats within {self.startup_timeout:.0f}s; log tail:\n{tail}")
+
+    def _reap(self) -> None:
+        if self.proc is not None:
+            self.proc_rc = self.proc.returncode
+        self.proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            for sig, wait_s in ((signal.SIGINT, timeout / 2), (signal.SIGTERM, timeout / 4), (signal.SIGKILL, timeout / 4)):
+                try:
+                    os.killpg(proc.pid, sig)  # the group this server started (start_new_session)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=max(wait_s, 1.0))
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._reap()
+
+    def cleanup(self) -> None:
+        """Stop and remove the work directory (if this object created it)."""
+        self.stop()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "ComfyServer":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # keep the work directory (and its comfyui.log) when something failed
+        if exc_type is None:
+            self.cleanup()
+        else:
+            self.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- logs ----------------------------------------------------------------
+
+    def log_text(self, since: int = 0) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                return f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_offset(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_text()[-chars:]
+
+    def pack_import_error(self) -> str | None:
+        """The traceback ComfyUI logged when importing the pack failed, else None.
+
+        ComfyUI keeps running when a custom node pack fails to import; the
+        failure only shows up in the log ("Cannot import <path> module for
+        custom nodes: ...", preceded by the traceback).
+        """
+        if self.pack_root is None:
+            return None
+        marker = f"Cannot import {self.custom_nodes_dir / PACK_DIR_NAME} module for custom nodes"
+        lines = self.log_text().splitlines()
+        for i, line in enumerate(lines):
+            if marker in line:
+                start = i
+                while start > 0 and "Traceback (most recent call last)" not in lines[start]:
+                    start -= 1
+                    if i - start > 200:
+                        start = i
+                        break
+                return "\n".join(lines[start:i + 1])
+        return None
+
+    # -- HTTP ----------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float = HTTP_TIMEOUT):
+        if self.port is None:
+            raise RuntimeError("server not started")
+        data = None
+        headers = {}
+        if body is not None:
+            data = json.dumps(body).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, never a proxy
+        with opener.open(req, timeout=timeout) as resp:
+            raw = resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+        if "json" in ctype:
+            return json.loads(raw.decode("utf-8")) if raw else None
+        return raw
+
+    def get_json(self, path: str, timeout: float = HTTP_TIMEOUT):
+        return self._request("GET", path, timeout=timeout)
+
+    def post_json(self, path: str, body: Any, timeout: float = HTTP_TIMEOUT):
+        return self._request("POST", path, body=body, timeout=timeout)
+
+    def system_stats(self) -> dict:
+        return self.get_json("/system_stats")
+
+    def object_info(self, node_class: str | None = None) -> dict:
+        path = "/object_info" if node_class is None else "/object_info/" + urllib.parse.quote(node_class)
+        return self.get_json(path, timeout=60.0)
+
+    def post_prompt(self, prompt: dict, extra_data: dict | None = None) -> str:
+        body = {"prompt": prompt, "client_id": self.client_id}
+        if extra_data:
+            body["extra_data"] = extra_data
+        try:
+            resp = self.post_json("/prompt", body)
+        except urllib.error.HTTPError as e:
+            raw = e.read().decode("utf-8", errors="replace")
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = {"error": raw}
+            raise ComfyPromptError(_format_prompt_error(payload), payload) from None
+        return resp["prompt_id"]
+
+    def history(self, prompt_id: str) -> dict | None:
+        resp = self.get_json("/history/" + urllib.parse.quote(prompt_id))
+        if not resp:
+            return None
+        return resp.get(prompt_id)
+
+    def wait(self, prompt_id: str, timeout: float = RUN_TIMEOUT, poll: float = 0.2) -> dict:
+        """Poll /history/<id> until the prompt finished; return its history entry.
+
+        Raises ComfyExecutionError (or ComfyInterrupted) with the server's own
+        message when execution failed, TimeoutError after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            entry = self.history(prompt_id)
+            if entry is not None:  # history entries are only written when a prompt is done
+                status = entry.get("status") or {}
+                if status.get("status_str") == "error" or not status.get("completed", True):
+                    raise _execution_error(entry)
+                return entry
+            if not self.alive():
+                raise RuntimeError(f"ComfyUI died while running {prompt_id}; log tail:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prompt {prompt_id} not finished after {timeout:.0f}s; log tail:\n{self.log_tail()}")
+            time.sleep(poll)
+
+    def run(self, prompt: dict, timeout: float = RUN_TIMEOUT) -> list:
+        """Queue ``prompt``, wait for it, return its output images as HxWxC uint8 numpy arrays.
+
+        Images come from every output node's ``images`` list, ordered by node id.
+        """
+        pid = self.post_prompt(prompt)
+        entry = self.wait(pid, timeout=timeout)
+        return self.images_of(entry)
+
+    def images_of(self, entry: dict) -> list:
+        import numpy as np
+        from PIL import Image
+
+        out = []
+        outputs = entry.get("outputs", {})
+        for node_id in sorted(outputs, key=_node_sort_key):
+            for img in outputs[node_id].get("images", []) or []:
+                path = self.output_file(img) if self._url is None else self._view(img)
+                with Image.open(path) as im:
+                    out.append(np.array(im.convert("RGB") if im.mode not in ("RGB", "RGBA", "L") else im, dtype=np.uint8))
+        return out
+
+    def _view(self, img: dict):
+        import io
+        query = urllib.parse.urlencode({"filename": img["filename"], "subfolder": img.get("subfolder", ""),
+                                        "type": img.get("type", "output")})
+        with urllib.request.urlopen(f"{self.url}/view?{query}", timeout=HTTP_TIMEOUT) as resp:
+            return io.BytesIO(resp.read())
+
+    def output_file(self, img: dict) -> Path:
+        base = {"output": self.output_dir, "temp": self.temp_dir, "input": self.input_dir}[img.get("type", "output")]
+        path = (base / img.get("subfolder", "") / img["filename"]).resolve()
+        if base.resolve() not in path.parents:
+            raise ValueError(f"image path escapes its folder: {img}")
+        return path
+
+    def interrupt(self, prompt_id: str | None = None) -> None:
+        self.post_json("/interrupt", {"prompt_id": prompt_id} if prompt_id else {})
+
+    def free(self, unload_models: bool = True, free_memory: bool = True, settle: float = 30.0) -> None:
+        """POST /free; the worker applies it after the current prompt.
+
+        With free_memory the execution cache is reset, so the next prompt
+        re-executes every node.  Blocks until the queue is idle (bounded).
+        """
+        self.post_json("/free", {"unload_models": unload_models, "free_memory": free_memory})
+        self.wait_idle(timeout=settle)
+
+    def queue(self) -> dict:
+        return self.get_json("/queue")
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            q = self.queue()
+            if not q.get("queue_running") and not q.get("queue_pending"):
+                return
+            time.sleep(0.2)
+        raise TimeoutError("ComfyUI queue did not become idle")
+
+
+class _PortInUse(RuntimeError):
+    pass
+
+
+def _node_sort_key(node_id: str):
+    return (0, int(node_id), "") if str(node_id).isdigit() else (1, 0, str(node_id))
+
+
+def _format_prompt_error(payload: dict) -> str:
+    parts = []
+    err = payload.get("error")
+    if isinstance(err, dict):
+        parts.append(f"{err.get('type', 'error')}: {err.get('message', '')} {err.get('details', '')}".strip())
+    elif err:
+        parts.append(str(err))
+    for node_id, ne in (payload.get("node_errors") or {}).items():
+        for e in ne.get("errors", []):
+            parts.append(f"node {node_id} ({ne.get('class_type')}): {e.get('message')}: {e.get('details')}")
+    return "prompt rejected: " + "; ".join(parts)
+
+
+def _execution_error(entry: dict) -> ComfyExecutionError:
+    messages = entry.get("status", {}).get("messages", []) or []
+    for event, data in messages:
+        if event == "execution_error":
+            msg = (f"node {data.get('node_id')} ({data.get('node_type')}) raised "
+                   f"{data.get('exception_type')}: {data.get('exception_message')}")
+            tb = "".join(data.get("traceback", []) or [])
+            if tb:
+                msg += "\n" + tb
+            return ComfyExecutionError(msg, entry, data)
+        if event == "execution_interrupted":
+            return ComfyInterrupted(f"prompt interrupted at node {data.get('node_id')} ({data.get('node_type')})", entry, data)
+    return ComfyExecutionError(f"prompt failed: status={entry.get('status')}", entry)
