@@ -6,6 +6,9 @@ was fused at which strength, and a checksum of every weight it wrote. Rules:
 - the same adapter at the same strength, weights intact: a no-op;
 - the same adapter at another strength: re-fused from the unfused weight
   (which the caller supplies), never accumulated;
+- with `originals`, every fused layer starts from the caller's unfused weight
+  (a loader passes the file's stored-precision tensors), so a weight that
+  was cast to fp8 on load is fused from its full precision and rounded once;
 - weights replaced since (a reload into the same module): the stale ledger is
   dropped, and the fusion happens as on fresh weights.
 
@@ -103,6 +106,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
     # Layers to rewrite, and the strength each other fusion contributes to them.
     others = [f for fp, f in (ledger.fusions.items() if ledger else ()) if fp != adapter.fingerprint]
     refuse = prior is not None
+    from_originals = originals is not None
     if refuse and originals is None:
         raise FuseError(f"{adapter.name} is fused at strength {prior.strength}; re-fusing at {strength} needs the "
                         "unfused weights", path=adapter.path,
@@ -112,11 +116,16 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
     def new_weight(name: str) -> torch.Tensor:
         module = keymap.modules[name]
         w = module.weight
-        if refuse:
-            base = (originals(name) if callable(originals) else originals[name]).to(w.device, torch.float32)
+        base = None
+        if from_originals:
+            base = originals(name) if callable(originals) else originals.get(name)
+        if base is not None:
+            base = base.to(w.device, torch.float32).reshape(w.shape)
             for f in others:
                 if name in f.modules:
                     base += f.strength * _delta(f.adapter, keymap, name, base, model_name)
+        elif refuse:
+            raise FuseError(f"no unfused weight for layer {name!r} to re-fuse from", path=adapter.path, key=name)
         else:
             base = w.detach().to(torch.float32)
         if name in plans:
@@ -137,9 +146,12 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 raise NonFiniteError(f"fusing gives NaN or Inf in layer {name!r}", path=adapter.path,
                                      remedy="the LoRA is broken, or the strength too large for this dtype")
             w = keymap.modules[name].weight
+            # fp8 e4m3fn saturates instead of overflowing to inf, so compare with the dtype's range.
+            if w.dtype.is_floating_point and float(nw.abs().max()) > torch.finfo(w.dtype).max:
+                raise NonFiniteError(f"layer {name!r} overflows {str(w.dtype).replace('torch.', '')} after fusing "
+                                     f"(max |w| = {float(nw.abs().max()):.3g})", path=adapter.path,
+                                     remedy="lower the strength, or use a wider weight_dtype")
             out = nw.to(w.dtype)
-            if w.dtype.is_floating_point and w.element_size() > 1 and not bool(torch.isfinite(out).all()):
-                raise NonFiniteError(f"layer {name!r} overflows {w.dtype} after fusing", path=adapter.path)
             nbytes = out.numel() * out.element_size()
             if kept_bytes + nbytes <= keep_bytes:
                 kept[name] = out

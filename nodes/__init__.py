@@ -1,10 +1,12 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
+from .distill import DistillFuse
 from .loader import MultiLoRALoader
 from .rows import LoRAStackRows
 from .stack import LoRAStack, LoRAStackFromJSON
 
 NODE_CLASS_MAPPINGS = {
+    "DistillFuse": DistillFuse,
     "LoRAStack": LoRAStack,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackRows": LoRAStackRows,
@@ -12,6 +14,7 @@ NODE_CLASS_MAPPINGS = {
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
+    "DistillFuse": "DistillFuse (fuse a distilled LoRA once)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",

@@ -11,14 +11,18 @@ It uses ComfyUI's extension points only:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 import comfy.lora
 import comfy.lora_convert
+import comfy.sd
 import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
@@ -37,6 +41,10 @@ MAX_NAME = 1024
 
 def lora_names() -> list[str]:
     return folder_paths.get_filename_list("loras")
+
+
+def filenames(folder: str) -> list[str]:
+    return folder_paths.get_filename_list(folder)
 
 
 def resolve(folder: str, name: object) -> str:
@@ -277,3 +285,114 @@ def reports() -> list[dict]:
 def server_routes():
     from server import PromptServer
     return PromptServer.instance.routes
+
+
+# -- DistillFuse: loading, stored weights, baking ------------------------------------------------------------
+
+def unet_options(weight_dtype: str) -> dict:
+    """UNETLoader's model_options for its weight_dtype choices."""
+    options = {}
+    if weight_dtype in ("fp8_e4m3fn", "fp8_e4m3fn_fast"):
+        options["dtype"] = torch.float8_e4m3fn
+    if weight_dtype == "fp8_e4m3fn_fast":
+        options["fp8_optimizations"] = True
+    if weight_dtype == "fp8_e5m2":
+        options["dtype"] = torch.float8_e5m2
+    return options
+
+
+def load_unet(path: str, options: dict):
+    """The diffusion model as stock UNETLoader loads it. Dynamic (disk-backed) loading is off, because
+    the fused weights live in the model's own tensors."""
+    return comfy.sd.load_diffusion_model(path, model_options=options, disable_dynamic=True)
+
+
+def unet_keymap(root) -> KeyMap:
+    return _keymap(root, "unet")
+
+
+def progress(total: int):
+    return comfy.utils.ProgressBar(total)
+
+
+def check_interrupt() -> None:
+    comfy.model_management.throw_exception_if_processing_interrupted()
+
+
+@contextlib.contextmanager
+def stored_weights(path: str, root):
+    """A function: layer name -> that layer's weight as stored in the file (memory-mapped, read one layer
+    at a time), or None when the file names it otherwise (the engine then uses the loaded weight)."""
+    if not path.endswith(".safetensors"):
+        yield lambda name: None
+        return
+    from safetensors import safe_open
+    modules = dict(root.named_modules())
+    found = {"stored": 0, "loaded": 0}
+    with safe_open(path, framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+
+        def lookup(name: str):
+            short = name[len("diffusion_model."):] if name.startswith("diffusion_model.") else name
+            for key in (f"{short}.weight", f"model.{name}.weight", f"{name}.weight"):
+                if key in keys:
+                    t = f.get_tensor(key)
+                    if t.numel() == modules[name].weight.numel():
+                        found["stored"] += 1
+                        return t
+            found["loaded"] += 1
+            return None
+
+        yield lookup
+    if found["loaded"]:
+        log.info("[MultiLoRA] %d layers fused from the file's stored weights, %d from the loaded weights "
+                 "(their names differ in the file)", found["stored"], found["loaded"])
+
+
+def bake_target(name: str, overwrite: bool, base_path: str) -> str:
+    """Where a baked model may be written: in the diffusion_models folder that holds the base model,
+    never outside it."""
+    if not isinstance(name, str) or "\x00" in name or len(name) > MAX_NAME:
+        raise LoRAFileError("refused bake name (NUL byte or too long)", path=str(name)[:80])
+    if not name.endswith(".safetensors"):
+        raise LoRAFileError("a baked model is written as .safetensors", path=name,
+                            remedy="end the bake name with .safetensors")
+    if os.path.isabs(name) or name.startswith(("\\", "/")) or (len(name) > 1 and name[1] == ":") \
+            or ".." in name.replace("\\", "/").split("/"):
+        raise LoRAFileError("bake names must be relative, without '..'", path=name)
+    roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths("diffusion_models")]
+    folder = next((r for r in roots if base_path.startswith(r.rstrip(os.sep) + os.sep)), roots[0])
+    target = os.path.realpath(os.path.join(folder, name))
+    if not target.startswith(folder.rstrip(os.sep) + os.sep):
+        raise LoRAFileError("the bake target resolves outside the diffusion_models folder", path=name)
+    if os.path.exists(target) and not overwrite:
+        raise LoRAFileError("a file of this name already exists in diffusion_models", path=name,
+                            remedy="choose another bake_name, or turn overwrite on")
+    return target
+
+
+def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str, str]) -> None:
+    """Save the fused diffusion model in the base file's precision, atomically."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    dtypes = {}
+    if base_path.endswith(".safetensors"):
+        with safe_open(base_path, framework="pt", device="cpu") as f:
+            for k in f.keys():
+                dtypes[k] = f.get_slice(k).get_dtype()
+    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+             "F8_E5M2": torch.float8_e5m2, "F64": torch.float64}
+    sd = {}
+    for k, t in model.model.diffusion_model.state_dict().items():
+        stored = names.get(dtypes.get(k) or dtypes.get("model.diffusion_model." + k) or "")
+        sd[k] = t.detach().to("cpu", stored or t.dtype).contiguous()
+    if os.path.exists(target) and not overwrite:
+        raise LoRAFileError("a file of this name already exists in diffusion_models", path=target)
+    tmp = target + ".partial"
+    try:
+        save_file(sd, tmp, metadata=metadata)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    log.info("[MultiLoRA] baked %s", target)

@@ -110,3 +110,43 @@ def test_progress_reports_every_layer(adapter):
     seen = []
     fuse(lf.tiny(), adapter, 1.0, progress=lambda done, total: seen.append((done, total)))
     assert seen[-1] == (2 * len(lf.LAYERS), 2 * len(lf.LAYERS)) and len(seen) == 2 * len(lf.LAYERS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8_e4m3fn"])
+def test_fusing_from_originals_rounds_once_to_the_storage_dtype(tmp_path, dtype):
+    """A loader passes the file's full-precision weights: a model already cast to a narrow dtype is fused
+    from them, so the result is one rounding of the exact sum, not a rounding of a rounded weight."""
+    t = lf.lora_tensors(lf.tiny(), "kohya", 3)
+    adapter = load_adapter(lf.write(tmp_path, "d.safetensors", t))
+    full = {n: m.weight.detach().clone() for n, m in lf.tiny().named_modules() if n in lf.LAYERS}
+    model = lf.tiny()
+    for name, m in model.named_modules():
+        if name in lf.LAYERS:
+            m.weight.data = m.weight.data.to(dtype)
+    fuse(model, adapter, 0.6, originals=full)
+    from .test_formats import ref_lowrank
+    deltas = ref_lowrank(t, lf.tiny(), "kohya")
+    differs = 0
+    for name, m in model.named_modules():
+        if name in lf.LAYERS:
+            once = (full[name].double() + 0.6 * deltas[name]).to(dtype)
+            twice = (full[name].to(dtype).double() + 0.6 * deltas[name]).to(dtype)
+            assert torch.equal(m.weight.float(), once.float()), name
+            assert m.weight.dtype == dtype
+            differs += int((once.float() != twice.float()).sum())
+    assert differs > 0  # rounding twice would have given other weights: the check can tell them apart
+
+
+def test_fp8_saturation_is_an_overflow_error(tmp_path):
+    """float8_e4m3fn has no inf: a cast saturates at 448 silently. The fusion refuses instead."""
+    t = lf.lora_tensors(lf.tiny(), "kohya", 3)
+    t["lora_unet_ff.lora_up.weight"] = t["lora_unet_ff.lora_up.weight"] * 1e4
+    adapter = load_adapter(lf.write(tmp_path, "loud.safetensors", t))
+    model = lf.tiny()
+    for name, m in model.named_modules():
+        if name in lf.LAYERS:
+            m.weight.data = m.weight.data.to(torch.float8_e4m3fn)
+    before = {k: v.float().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteError, match="'ff' overflows float8_e4m3fn"):
+        fuse(model, adapter, 1.0)
+    assert all(torch.equal(before[k], v.float()) for k, v in model.state_dict().items())

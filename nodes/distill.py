@@ -1,0 +1,135 @@
+"""DistillFuse: a diffusion-model loader that fuses one distilled LoRA into the weights, once.
+
+The model is loaded exactly as stock UNETLoader loads it (same `weight_dtype` options). The
+LoRA is then fused layer by layer from the file's stored-precision weights, in fp32, rounded
+once to the model's weight dtype (fp8 included): no weight backups, no double rounding.
+
+Never twice: the engine's ledger travels with the model object (clones share it); ComfyUI's
+own reload hook (`cached_patcher_init`) is pointed at this loader, so a model that ComfyUI
+rebuilds from disk comes back fused once, never unfused; a baked file records its fusion in
+its metadata and is not fused again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
+
+from . import bridge
+from .stack import CATEGORY, STRENGTH
+
+log = logging.getLogger("multilora")
+
+WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
+META_FUSIONS = "multilora.fusions"
+META_BASE = "multilora.base"
+
+
+def recorded_fusions(path: str) -> list[dict]:
+    """The fusions a baked file declares in its header (empty for any other file)."""
+    if not path.endswith(".safetensors"):
+        return []
+    raw = read_header(path).metadata.get(META_FUSIONS)
+    try:
+        doc = json.loads(raw) if raw else []
+    except json.JSONDecodeError:
+        return []
+    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
+
+
+def load_fused(unet_path: str, model_options: dict, lora_name: str, strength: float, disable_dynamic: bool = True):
+    """Load the diffusion model and fuse the LoRA into it. Also ComfyUI's reload hook for the result."""
+    adapter = bridge.load_lora(lora_name)
+    for f in recorded_fusions(unet_path):
+        if f.get("fingerprint") == adapter.fingerprint:
+            if float(f.get("strength", "nan")) == float(strength):
+                log.info("[MultiLoRA] %s already holds %s at strength %s (from its metadata); not fused again",
+                         os.path.basename(unet_path), adapter.name, strength)
+                model = bridge.load_unet(unet_path, model_options)
+                model.cached_patcher_init = (load_fused, (unet_path, model_options, lora_name, strength))
+                return model
+            raise FuseError(f"{os.path.basename(unet_path)} already holds {adapter.name} fused at strength "
+                            f"{f.get('strength')}; it cannot be re-fused at {strength}", path=unet_path,
+                            remedy="load the original base model with DistillFuse instead of the baked file")
+    model = bridge.load_unet(unet_path, model_options)
+    root = model.model
+    if ledger_of(root) is None or adapter.fingerprint not in ledger_of(root).fusions:
+        with bridge.stored_weights(unet_path, root) as originals:
+            pbar = bridge.progress(1)
+            result = fuse(root, adapter, strength, keymap=bridge.unet_keymap(root), originals=originals,
+                          progress=lambda done, total: pbar.update_absolute(done, total),
+                          check=bridge.check_interrupt, model_name=type(root).__name__)
+        log.info("[MultiLoRA] fused %s at strength %s into %d layers of %s (%s)", adapter.name, strength,
+                 result.layers, os.path.basename(unet_path), type(root).__name__)
+    model.cached_patcher_init = (load_fused, (unet_path, model_options, lora_name, strength))
+    return model
+
+
+class DistillFuse:
+    DESCRIPTION = ("Loads a diffusion model (as UNETLoader) with a distilled LoRA (Lightning, Hyper, LCM, "
+                   "lightx2v) fused into its weights once: in fp32 from the file's stored precision, rounded once, "
+                   "before the fp8 cast. No weight backups are kept and the fusion is never applied twice. For "
+                   "Wan2.2, use one DistillFuse per expert. Feed the output to MultiLoRALoader for style LoRAs.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The diffusion model with the LoRA fused in.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "unet_name": (bridge.filenames("diffusion_models"),
+                              {"tooltip": "A diffusion model from the diffusion_models folder."}),
+                "weight_dtype": (WEIGHT_DTYPES, {"tooltip": "As UNETLoader: the weights' dtype after fusing. "
+                                                 "fp8 is applied after the LoRA is fused in full precision."}),
+                "lora_name": (bridge.lora_names(), {"tooltip": "The distilled LoRA to fuse."}),
+                "strength": ("FLOAT", {**STRENGTH, "tooltip": "Fusion strength. A new strength reloads the base "
+                                       "model from disk and fuses once; it never accumulates."}),
+            },
+            "optional": {
+                "bake": ("BOOLEAN", {"default": False, "tooltip": "Also save the fused model as a new file next "
+                                     "to the base model in diffusion_models, in the base file's precision."}),
+                "bake_name": ("STRING", {"default": "", "tooltip": "File name for the baked model (.safetensors); "
+                                         "empty: <base>_<lora>_<strength>.safetensors."}),
+                "overwrite": ("BOOLEAN", {"default": False, "tooltip": "Allow the bake to replace an existing "
+                                          "file. Off: an existing file is an error."}),
+            },
+        }
+
+    def load(self, unet_name, weight_dtype, lora_name, strength, bake=False, bake_name="", overwrite=False):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        unet_path = bridge.resolve("diffusion_models", unet_name)
+        if not unet_path.endswith((".safetensors", ".sft")):
+            raise LoRAFileError("DistillFuse loads .safetensors models only; pickled checkpoints are never "
+                                "unpickled", path=unet_name, remedy="convert the model to .safetensors")
+        read_header(unet_path)  # a truncated or corrupt file fails here, naming it
+        target = None
+        if bake:
+            if weight_dtype != "default":
+                raise LoRAFileError("bake saves the fused weights in the base file's precision; an fp8 model "
+                                    "would be saved lossy", remedy="bake with weight_dtype 'default', then load "
+                                    "the baked file with fp8")
+            target = bridge.bake_target(bake_name or default_bake_name(unet_name, lora_name, strength), overwrite,
+                                        unet_path)
+        model = load_fused(unet_path, bridge.unet_options(weight_dtype), lora_name, float(strength))
+        if target is not None:
+            adapter = bridge.load_lora(lora_name)
+            fusions = recorded_fusions(unet_path) + [
+                {"lora": lora_name, "fingerprint": adapter.fingerprint, "strength": float(strength)}]
+            st = os.stat(unet_path)
+            bridge.bake(model, unet_path, target, overwrite, {
+                META_FUSIONS: json.dumps(fusions),
+                META_BASE: json.dumps({"name": unet_name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}),
+            })
+        return (model,)
+
+
+def default_bake_name(unet_name: str, lora_name: str, strength: float) -> str:
+    base = os.path.splitext(os.path.basename(unet_name))[0]
+    lora = os.path.splitext(os.path.basename(lora_name))[0]
+    return f"{base}_{lora}_{strength:g}.safetensors"

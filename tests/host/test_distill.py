@@ -1,0 +1,191 @@
+"""DistillFuse on a real ComfyUI server, with a synthetic UNet-only file in diffusion_models.
+
+Tolerances: DistillFuse fuses W + s·ΔW in fp32 from the stored weights; stock UNETLoader +
+LoraLoaderModelOnly does the same sum from the loaded weights. The floor of "same math,
+rounded elsewhere" is ComfyUI's own fused loader against its bypass loader on the same LoRA;
+DistillFuse must agree with stock within 3× that floor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tools import synth
+from tools.comfy_server import ComfyExecutionError
+
+pytestmark = pytest.mark.host
+
+UNET = "synth_sd15_unet.safetensors"
+LORA = synth.LORA_NAMES["kohya"]
+STRENGTH = 0.7
+
+
+@pytest.fixture(scope="module")
+def unet_file(models_dir, synth_assets):
+    """The synthetic checkpoint's UNet, alone, with ComfyUI's native key names."""
+    cache = synth.default_cache_dir() / ("unet_of_" + os.path.basename(synth_assets["checkpoint"]))
+    if not cache.exists():
+        prefix = "model.diffusion_model."
+        with safe_open(str(synth_assets["checkpoint"]), "pt") as f:
+            sd = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        tmp = str(cache) + ".partial"
+        save_file(sd, tmp)
+        os.replace(tmp, cache)
+    target = models_dir / "diffusion_models" / UNET
+    if not target.exists():
+        os.link(cache, target) if os.stat(cache).st_dev == os.stat(target.parent).st_dev else \
+            target.write_bytes(cache.read_bytes())
+    return target
+
+
+def graph(model_nodes: dict, model_ref, seed=42, prefix="distill") -> dict:
+    p = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a synthetic test image"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
+        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "8": {"class_type": "KSampler", "inputs": {
+            "model": model_ref, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "seed": seed,
+            "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},
+    }
+    p.update(model_nodes)
+    return p
+
+
+def distill(weight_dtype="default", strength=STRENGTH, unet=UNET, lora=LORA, seed=42, **extra):
+    return graph({"20": {"class_type": "DistillFuse", "inputs": {
+        "unet_name": unet, "weight_dtype": weight_dtype, "lora_name": lora, "strength": strength, **extra}}},
+        ["20", 0], seed=seed)
+
+
+def stock(weight_dtype="default", strength=STRENGTH, loader="LoraLoaderModelOnly", seed=42, unet=UNET):
+    nodes = {"20": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": weight_dtype}}}
+    ref = ["20", 0]
+    if loader:
+        nodes["21"] = {"class_type": loader, "inputs": {"model": ["20", 0], "lora_name": LORA,
+                                                        "strength_model": strength}}
+        ref = ["21", 0]
+    return graph(nodes, ref, seed=seed)
+
+
+def mad(a, b) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
+
+
+def one(server, prompt):
+    images = server.run(prompt)
+    assert len(images) == 1
+    return images[0]
+
+
+@pytest.fixture(scope="module")
+def images(server, unet_file):
+    return {
+        "stock": one(server, stock()),
+        "bypass": one(server, stock(loader="LoraLoaderBypassModelOnly")),
+        "base": one(server, stock(loader=None)),
+        "ours": one(server, distill()),
+    }
+
+
+def test_default_dtype_matches_stock_unet_loader_plus_lora(images, record_property):
+    floor = mad(images["stock"], images["bypass"])
+    diff = mad(images["ours"], images["stock"])
+    effect = mad(images["stock"], images["base"])
+    record_property("floor", floor)
+    record_property("ours_vs_stock", diff)
+    print(f"\nDistillFuse default vs stock: {diff:.6f} (floor fused vs bypass {floor:.6f}); LoRA effect {effect:.2f}")
+    assert effect > 1.0
+    assert diff <= 3 * floor
+
+
+def test_fp8_error_no_worse_than_stock(server, images, record_property):
+    ours_fp8 = one(server, distill("fp8_e4m3fn"))
+    stock_fp8 = one(server, stock("fp8_e4m3fn"))
+    ours_err, stock_err = mad(ours_fp8, images["stock"]), mad(stock_fp8, images["stock"])
+    record_property("fp8_error_distillfuse", ours_err)
+    record_property("fp8_error_stock", stock_err)
+    print(f"\nfp8_e4m3fn pixel error against the fp32 reference: DistillFuse {ours_err:.4f}, "
+          f"stock UNETLoader(fp8) + LoraLoaderModelOnly {stock_err:.4f}")
+    assert ours_err <= stock_err
+
+
+def test_never_twice(server, images):
+    # The same graph again (ComfyUI's cached output), then another seed (the model stays cached).
+    assert np.array_equal(one(server, distill()), images["ours"])
+    seed2 = one(server, distill(seed=7))
+    assert mad(seed2, one(server, stock(seed=7))) <= max(3 * mad(images["stock"], images["bypass"]), 1e-9)
+    # Unload every model: ComfyUI loads it again from the same objects; the fusion is still there, once.
+    server.free()
+    assert np.array_equal(one(server, distill()), images["ours"])
+
+
+def test_bake_round_trip_and_its_metadata_prevents_refusion(server, images, models_dir):
+    name = "synth_sd15_unet_baked.safetensors"
+    target = models_dir / "diffusion_models" / name
+    if target.exists():
+        target.unlink()
+    baked_run = one(server, distill(bake=True, bake_name=name, overwrite=False))
+    assert np.array_equal(baked_run, images["ours"])
+    with safe_open(str(target), "pt") as f:
+        meta = f.metadata()
+    fusions = json.loads(meta["multilora.fusions"])
+    assert [(f["lora"], f["strength"]) for f in fusions] == [(LORA, STRENGTH)] and len(fusions[0]["fingerprint"]) == 32
+    assert json.loads(meta["multilora.base"])["name"] == UNET
+    log_at = server.log_offset()
+    from_baked = one(server, distill(unet=name))
+    assert "not fused again" in server.log_text(since=log_at)
+    plain_baked = one(server, stock(loader=None, unet=name))
+    assert np.array_equal(from_baked, plain_baked)  # nothing was fused on top
+    floor = mad(images["stock"], images["bypass"])
+    print(f"\nbaked (fp16 storage) vs in-memory fusion: {mad(from_baked, images['ours']):.5f}")
+    assert mad(from_baked, images["ours"]) < mad(images["base"], images["ours"]) / 10 + floor
+    # Another strength on a baked file is refused; an existing file is never overwritten unless asked.
+    with pytest.raises(ComfyExecutionError, match="already holds"):
+        server.run(distill(unet=name, strength=0.3))
+    with pytest.raises(ComfyExecutionError, match="already exists"):
+        server.run(distill(strength=0.5, bake=True, bake_name=name))
+
+
+@pytest.mark.parametrize("case,inputs,texts", [
+    ("other family", {"lora_name": "distill_flux_family.safetensors"}, ["distill_flux_family.safetensors",
+                                                                        "matches no layer"]),
+    ("truncated base", {"unet_name": "distill_truncated_unet.safetensors"}, ["distill_truncated_unet", "truncated"]),
+    ("bake outside the folder", {"bake": True, "bake_name": "../escape.safetensors"}, ["'..'"]),
+    ("bake not safetensors", {"bake": True, "bake_name": "x.ckpt"}, [".safetensors"]),
+    ("fp8 bake", {"bake": True, "bake_name": "fp8.safetensors", "weight_dtype": "fp8_e4m3fn"}, ["precision"]),
+    ("non-finite fusion", {"lora_name": "distill_huge.safetensors", "weight_dtype": "fp8_e4m3fn"},
+     ["distill_huge.safetensors", "layer"]),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_failures_name_the_file_and_leave_nothing_behind(server, images, models_dir, case, inputs, texts):
+    loras = models_dir / "loras"
+    if not (loras / "distill_flux_family.safetensors").exists():
+        import torch
+        save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 3072),
+                   "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(9216, 4)},
+                  str(loras / "distill_flux_family.safetensors"))
+        with safe_open(str(loras / LORA), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        for k in t:
+            if k.endswith("lora_up.weight") and "lora_unet" in k:
+                t[k] = t[k].float() * 1e6
+        save_file(t, str(loras / "distill_huge.safetensors"))
+        unet = (models_dir / "diffusion_models" / UNET).read_bytes()
+        (models_dir / "diffusion_models" / "distill_truncated_unet.safetensors").write_bytes(
+            unet[: struct.unpack("<Q", unet[:8])[0] + 8 + 1000])
+    prompt = distill()
+    prompt["20"]["inputs"].update(inputs)
+    with pytest.raises(ComfyExecutionError) as e:
+        server.run(prompt)
+    for t in texts:
+        assert t in str(e.value), (t, str(e.value))
+    assert np.array_equal(one(server, distill()), images["ours"])
