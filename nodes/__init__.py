@@ -1,23 +1,28 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
 from .distill import DistillFuse
+from .grid import LoRAGridImage, LoRAStrengthGrid
 from .loader import MultiLoRALoader
 from .rows import LoRAStackRows
 from .stack import LoRAStack, LoRAStackFromJSON
 
 NODE_CLASS_MAPPINGS = {
     "DistillFuse": DistillFuse,
+    "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackRows": LoRAStackRows,
+    "LoRAStrengthGrid": LoRAStrengthGrid,
     "MultiLoRALoader": MultiLoRALoader,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "DistillFuse": "DistillFuse (fuse a distilled LoRA once)",
+    "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
+    "LoRAStrengthGrid": "LoRA Strength Grid (one batch)",
     "MultiLoRALoader": "Multi-LoRA Loader (runtime)",
 }
 

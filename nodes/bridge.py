@@ -191,7 +191,7 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
 class Stack:
     """What one clone runs with: (adapter, strength) pairs and the slot count to hold them."""
 
-    entries: tuple[tuple[Adapter, float], ...]
+    entries: tuple[tuple[Adapter, float | tuple[float, ...]], ...]  # a tuple: one strength per batch item
     slots: int
     kind: str  # "unet" or "clip"
 
@@ -229,9 +229,15 @@ def with_stack(patcher, clone, root, entries: list[tuple[Adapter, float]], slots
     return clone
 
 
-def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list[float], strengths_clip: list[float],
-                max_loras: int):
-    """The MODEL and CLIP clones for one stack. Raises before returning anything on any bad entry."""
+def _strength(value) -> float | tuple[float, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    return float(value)
+
+
+def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, strengths_clip: list, max_loras: int):
+    """The MODEL and CLIP clones for one stack. A model strength may be a list: one value per batch item
+    (the CLIP's per-item strengths are not supported). Raises before returning anything on any bad entry."""
     if len(adapters) > max_loras:
         names = ", ".join(a.name for a in adapters)
         raise SlotLimitError(f"the stack has {len(adapters)} entries ({names}) but max_loras is {max_loras}",
@@ -248,9 +254,9 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list[floa
                                    remedy="it is probably a LoRA for another model family")
         _log_once(adapter, unet_root, _report(adapter, on_model, on_clip))
         if on_model is not None:
-            model_entries.append((adapter, float(sm)))
+            model_entries.append((adapter, _strength(sm)))
         if on_clip is not None:
-            clip_entries.append((adapter, float(sc)))
+            clip_entries.append((adapter, _strength(sc)))
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), unet_root, model_entries, max_loras, "unet")
@@ -285,6 +291,13 @@ def reports() -> list[dict]:
 def server_routes():
     from server import PromptServer
     return PromptServer.instance.routes
+
+
+def cells_that_fit(model, samples) -> int:
+    """How many grid cells (each a cond and an uncond item) fit in the free memory of the model's device."""
+    free = comfy.model_management.get_free_memory(model.load_device)
+    per_item = model.memory_required([2, *samples.shape[1:]])
+    return max(1, int(free * 0.8 // max(per_item, 1)))
 
 
 # -- DistillFuse: loading, stored weights, baking ------------------------------------------------------------

@@ -51,8 +51,12 @@ def synthetic_models(comfy_root: Path, python: str) -> tuple[Path, dict[str, str
 
 
 def shrink(prompt: dict, names: dict[str, str], ckpt: str) -> dict:
+    stems = {Path(a).stem: Path(b).stem for a, b in names.items()}
     for node in prompt.values():
         inputs = node.get("inputs", {})
+        for key, value in inputs.items():  # grid axes name stack entries by file stem
+            if key.endswith("_entry") and isinstance(value, str) and value in stems:
+                inputs[key] = stems[value]
         if "ckpt_name" in inputs:
             inputs["ckpt_name"] = ckpt
         if isinstance(inputs.get("lora_name"), str):

@@ -1,0 +1,152 @@
+"""Strength grids: up to three axes over a stack's entries, sampled as batch items.
+
+A grid of X × Y × Z cells becomes one batch (or several, when it is larger than a
+batch may be): item i carries the strengths of cell i in a [batch, N] strength
+table, so every cell is sampled in the same pass, with no re-patching.
+
+Axis values are written as text:
+
+    0, 0.25, 0.5, 1.0        a list
+    0:1:0.25                 start:stop:step, stop included
+    -1..1/5                  start..stop/count, evenly spaced, both ends included
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+MAX_VALUES = 64
+MAX_CELLS = 4096
+
+
+class GridError(ValueError):
+    """A malformed axis: the message names the axis, the text and what was expected."""
+
+
+def parse_values(text: str, axis: str = "axis") -> list[float]:
+    s = (text or "").strip()
+    if not s:
+        raise GridError(f"{axis}: no values; write e.g. '0, 0.5, 1' or '0:1:0.25' or '0..1/5'")
+    m = re.fullmatch(r"\s*([-+0-9.eE]+)\s*\.\.\s*([-+0-9.eE]+)\s*/\s*(\d+)\s*", s)
+    if m:
+        a, b, n = _num(m[1], axis, s), _num(m[2], axis, s), int(m[3])
+        if n < 1 or n > MAX_VALUES:
+            raise GridError(f"{axis}: count {n} in {s!r} must be between 1 and {MAX_VALUES}")
+        return [a] if n == 1 else [a + (b - a) * i / (n - 1) for i in range(n)]
+    if ":" in s:
+        parts = [p.strip() for p in s.split(":")]
+        if len(parts) != 3:
+            raise GridError(f"{axis}: {s!r} is not start:stop:step")
+        a, b, step = (_num(p, axis, s) for p in parts)
+        if step == 0 or (b - a) / step < 0:
+            raise GridError(f"{axis}: step {step:g} in {s!r} never reaches {b:g}")
+        n = int(math.floor((b - a) / step + 1e-9)) + 1
+        if n > MAX_VALUES:
+            raise GridError(f"{axis}: {s!r} gives {n} values; at most {MAX_VALUES}")
+        return [round(a + i * step, 10) for i in range(n)]
+    values = [_num(p, axis, s) for p in re.split(r"[,;\s]+", s) if p]
+    if len(values) > MAX_VALUES:
+        raise GridError(f"{axis}: {len(values)} values; at most {MAX_VALUES}")
+    return values
+
+
+def _num(p: str, axis: str, text: str) -> float:
+    try:
+        v = float(p)
+    except ValueError:
+        raise GridError(f"{axis}: {p!r} in {text!r} is not a number") from None
+    if not math.isfinite(v) or abs(v) > 100:
+        raise GridError(f"{axis}: {p!r} in {text!r} must be a finite strength within -100..100")
+    return v
+
+
+@dataclass(frozen=True)
+class Axis:
+    entry: int  # index into the stack
+    label: str  # the entry's name, as shown on the grid
+    values: tuple[float, ...]
+
+
+def find_entry(names: list[str], ref: str, axis: str) -> int:
+    """A stack entry by name, by name without extension, or by 1-based position (`2` or `#2`)."""
+    ref = (ref or "").strip()
+    if re.fullmatch(r"#?\d+", ref):
+        i = int(ref.lstrip("#"))
+        if not 1 <= i <= len(names):
+            raise GridError(f"{axis}: entry #{i} does not exist; the stack has {len(names)} entries")
+        return i - 1
+    stems = [n.rsplit("/", 1)[-1].rsplit("\\", 1)[-1].rsplit(".", 1)[0] for n in names]
+    for candidates in (names, stems):
+        hits = [i for i, n in enumerate(candidates) if n == ref]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise GridError(f"{axis}: {ref!r} names {len(hits)} entries; use its position, e.g. #{hits[0] + 1}")
+    raise GridError(f"{axis}: no stack entry named {ref!r}; entries: {', '.join(names) or '(empty stack)'}")
+
+
+@dataclass
+class Grid:
+    """The cells of a grid, x fastest, then y, then z, and how they map onto the stack."""
+
+    names: list[str]
+    base: list[float]  # each entry's strength_model outside the grid
+    axes: list[Axis] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        dims = [len(a.values) for a in self.axes] + [1] * (3 - len(self.axes))
+        return dims[0], dims[1], dims[2]
+
+    @property
+    def cells(self) -> int:
+        x, y, z = self.shape
+        return x * y * z
+
+    def cell(self, i: int) -> tuple[int, int, int]:
+        x, y, _ = self.shape
+        return i % x, (i // x) % y, i // (x * y)
+
+    def strengths(self, i: int) -> list[float]:
+        """strength_model of every entry in cell i."""
+        out = list(self.base)
+        for axis, k in zip(self.axes, self.cell(i)):
+            out[axis.entry] = axis.values[k]
+        return out
+
+    def table(self, start: int, stop: int) -> list[list[float]]:
+        """Per entry, the list of per-item strengths of cells start..stop-1."""
+        rows = [self.strengths(i) for i in range(start, stop)]
+        return [[r[j] for r in rows] for j in range(len(self.names))]
+
+    def chunks(self, per_batch: int) -> list[tuple[int, int]]:
+        per_batch = max(1, per_batch)
+        return [(s, min(s + per_batch, self.cells)) for s in range(0, self.cells, per_batch)]
+
+    def describe(self) -> dict:
+        return {"names": self.names, "base": self.base,
+                "axes": [{"entry": a.entry, "label": a.label, "values": list(a.values)} for a in self.axes],
+                "shape": list(self.shape)}
+
+
+def build(names: list[str], base: list[float], axes: list[tuple[str, str, str]]) -> Grid:
+    """`axes`: (axis name, entry reference, values text); empty references are skipped."""
+    grid = Grid(names=list(names), base=list(base))
+    used = {}
+    for axis, ref, text in axes:
+        if not (ref or "").strip():
+            if (text or "").strip():
+                raise GridError(f"{axis}: values are given but no stack entry is named")
+            continue
+        i = find_entry(names, ref, axis)
+        if i in used:
+            raise GridError(f"{axis}: entry {names[i]!r} is already varied by {used[i]}")
+        used[i] = axis
+        grid.axes.append(Axis(i, names[i], tuple(parse_values(text, axis))))
+    if not grid.axes:
+        raise GridError("no axis: name a stack entry and its values for at least one axis")
+    if grid.cells > MAX_CELLS:
+        raise GridError(f"the grid has {grid.cells} cells; at most {MAX_CELLS}")
+    return grid

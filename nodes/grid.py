@@ -1,0 +1,172 @@
+"""LoRAStrengthGrid and LoRAGridImage: an XY(Z) grid of LoRA strengths sampled as one batch.
+
+LoRAStrengthGrid outputs lists: one MODEL and one LATENT per batch of cells. ComfyUI runs
+the nodes downstream once per list item, so a grid larger than a batch may be is sampled
+as several batches; LoRAGridImage takes the whole lists and draws one grid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from lora_engine.grid import GridError, build
+
+from . import bridge
+from .stack import CATEGORY, StackError, entries
+
+AXES = ("x", "y", "z")
+
+
+class LoRAStrengthGrid:
+    DESCRIPTION = ("Samples a grid of LoRA strengths in one batch: up to three axes, each naming a stack entry "
+                   "(by file name, name without extension, or position like #2) and a list of model strengths "
+                   "('0, 0.5, 1', '0:1:0.25' or '0..1/5'). Every cell starts from the same noise as a batch-1 run "
+                   "with the same seed. Connect the outputs to KSampler, then VAEDecode, then LoRAGridImage. "
+                   "Per-item CLIP strengths are not applied: the text encoder gets each entry's strength_clip.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL", "CLIP", "LATENT", "LORA_GRID")
+    RETURN_NAMES = ("model", "clip", "latent", "grid")
+    OUTPUT_IS_LIST = (True, False, True, False)
+    OUTPUT_TOOLTIPS = ("One model per batch of cells, each with its cells' strengths per batch item.",
+                       "The text encoder with the stack at each entry's strength_clip (None without a CLIP).",
+                       "One latent batch per batch of cells, every item with the starting noise of index 0.",
+                       "The grid description, for LoRAGridImage.")
+    FUNCTION = "grid"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        axis = {}
+        for a in AXES:
+            axis[f"{a}_entry"] = ("STRING", {"default": "#1" if a == "x" else "", "tooltip":
+                                             f"The stack entry the {a} axis varies: its file name, its name "
+                                             "without extension, or its position (#1 is the first). Empty: unused."})
+            axis[f"{a}_values"] = ("STRING", {"default": "0, 0.5, 1" if a == "x" else "", "tooltip":
+                                              "Model strengths: '0, 0.25, 0.5, 1', 'start:stop:step' (stop "
+                                              "included) or 'start..stop/count'."})
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The base diffusion model (not a MultiLoRALoader output: the grid "
+                                    "applies the stack itself)."}),
+                "lora_stack": ("LORA_STACK", {"tooltip": "The stack; entries not on an axis keep their strength."}),
+                "latent": ("LATENT", {"tooltip": "The starting latent; its first item is used for every cell."}),
+                **axis,
+                "max_batch": ("INT", {"default": 16, "min": 1, "max": 4096, "tooltip": "Most cells sampled in "
+                                      "one batch; larger grids (or less free memory) split into several batches."}),
+            },
+            "optional": {"clip": ("CLIP", {"tooltip": "The text encoder, to get the stack at strength_clip."})},
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **kw):
+        from lora_engine.grid import parse_values
+        for a in AXES:
+            ref, text = kw.get(f"{a}_entry"), kw.get(f"{a}_values")
+            if isinstance(ref, str) and isinstance(text, str) and ref.strip():
+                try:
+                    parse_values(text, f"{a} axis")
+                except GridError as e:
+                    return str(e)
+        return True
+
+    def grid(self, model, lora_stack, latent, x_entry, x_values, y_entry, y_values, z_entry, z_values,
+             max_batch, clip=None):
+        try:
+            items = entries(lora_stack)
+            spec = build([e.name for e in items], [e.strength_model for e in items],
+                         [("x axis", x_entry, x_values), ("y axis", y_entry, y_values),
+                          ("z axis", z_entry, z_values)])
+        except (StackError, GridError) as e:
+            raise ValueError(str(e)) from None
+        adapters = bridge.load_loras([e.name for e in items])
+        samples = latent["samples"][:1]
+        per_batch = min(max_batch, bridge.cells_that_fit(model, samples))
+        models, latents = [], []
+        new_clip = clip
+        for start, stop in spec.chunks(per_batch):
+            table = spec.table(start, stop)
+            m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], len(items))
+            models.append(m)
+            new_clip = c
+            n = stop - start
+            out = {k: v for k, v in latent.items() if k not in ("samples", "batch_index", "noise_mask")}
+            out["samples"] = samples.repeat(n, *[1] * (samples.dim() - 1))
+            out["batch_index"] = [latent.get("batch_index", [0])[0]] * n
+            if "noise_mask" in latent:
+                out["noise_mask"] = latent["noise_mask"][:1].repeat(n, *[1] * (latent["noise_mask"].dim() - 1))
+            latents.append(out)
+        desc = spec.describe()
+        desc["batches"] = [list(c) for c in spec.chunks(per_batch)]
+        desc["clip"] = [e.strength_clip for e in items]
+        return (models, new_clip, latents, desc)
+
+
+class LoRAGridImage:
+    DESCRIPTION = ("Draws the decoded cells of a LoRAStrengthGrid as one labelled image: axis titles, the value "
+                   "of every row and column, and the stack's other entries with their strengths.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("IMAGE",)
+    OUTPUT_TOOLTIPS = ("The grid image; save it with SaveImage to keep the workflow in the PNG.",)
+    INPUT_IS_LIST = True
+    FUNCTION = "draw"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "images": ("IMAGE", {"tooltip": "The decoded cells (VAEDecode after the grid's KSampler)."}),
+            "grid": ("LORA_GRID", {"tooltip": "From LoRAStrengthGrid."}),
+        }}
+
+    def draw(self, images, grid):
+        desc = grid[0]
+        cells = torch.cat([im for im in images], dim=0)
+        x, y, z = desc["shape"]
+        if cells.shape[0] != x * y * z:
+            raise ValueError(f"the grid has {x * y * z} cells but {cells.shape[0]} images arrived; connect "
+                             "LoRAStrengthGrid -> KSampler -> VAEDecode -> LoRAGridImage without other batching")
+        return (torch.from_numpy(render(desc, cells)).unsqueeze(0),)
+
+
+def _label(v: float) -> str:
+    return f"{v:g}"
+
+
+def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
+    """The grid as an [H, W, 3] float array in 0..1."""
+    x, y, z = desc["shape"]
+    axes = desc["axes"] + [None] * (3 - len(desc["axes"]))
+    h, w = cells.shape[1], cells.shape[2]
+    size = max(12, min(24, w // 10))
+    font = ImageFont.load_default(size=size)
+    pad = size // 2
+    left = (int(size * 6) if axes[1] else 0) + pad
+    line = size + pad
+    varied = {a["entry"] for a in desc["axes"]}
+    fixed = [f"{n} @ {_label(s)}" for i, (n, s) in enumerate(zip(desc["names"], desc["base"])) if i not in varied]
+    title = "   |   ".join(f"{k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
+    header = [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])
+    panel_h = line + y * h
+    top = len(header) * line + pad
+    width = left + x * w + pad
+    height = top + z * (panel_h + (line if axes[2] else 0)) + pad
+    canvas = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, text in enumerate(header):
+        draw.text((pad, pad + i * line), text, fill="black", font=font)
+    pixels = (cells.clamp(0, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    for k in range(z):
+        oy = top + k * (panel_h + (line if axes[2] else 0))
+        if axes[2]:
+            draw.text((pad, oy), f"{axes[2]['label']} = {_label(axes[2]['values'][k])}", fill="black", font=font)
+            oy += line
+        for i in range(x):
+            draw.text((left + i * w + pad, oy), f"{_label(axes[0]['values'][i])}", fill="black", font=font)
+        for j in range(y):
+            if axes[1]:
+                draw.text((pad, oy + line + j * h + h // 2 - size // 2), _label(axes[1]["values"][j]),
+                          fill="black", font=font)
+            for i in range(x):
+                cell = pixels[i + j * x + k * x * y]
+                canvas.paste(Image.fromarray(cell[..., :3]), (left + i * w, oy + line + j * h))
+    return np.asarray(canvas, dtype=np.float32) / 255.0

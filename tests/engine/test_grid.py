@@ -1,0 +1,68 @@
+"""Grid axes: parsing, entry lookup, cell order and chunking."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_engine.grid import GridError, build, find_entry, parse_values
+
+
+@pytest.mark.parametrize("text,values", [
+    ("0, 0.25, 0.5, 1.0", [0, 0.25, 0.5, 1.0]),
+    ("0;0.5 1", [0, 0.5, 1]),
+    ("0:1:0.25", [0, 0.25, 0.5, 0.75, 1.0]),
+    ("1:0:-0.5", [1, 0.5, 0]),
+    ("-1..1/5", [-1, -0.5, 0, 0.5, 1]),
+    ("0.7..0.7/1", [0.7]),
+])
+def test_values(text, values):
+    assert parse_values(text) == pytest.approx(values)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "no values"),
+    ("0, abc", "'abc'"),
+    ("0:1", "start:stop:step"),
+    ("0:1:0", "never reaches"),
+    ("1:0:0.5", "never reaches"),
+    ("0..1/0", "count 0"),
+    ("0, nan", "finite"),
+    ("0, 1000", "-100..100"),
+    ("0:100:0.001", "at most"),
+])
+def test_bad_values_say_what_was_expected(text, message):
+    with pytest.raises(GridError, match=message):
+        parse_values(text, "x axis")
+
+
+NAMES = ["styles/ink.safetensors", "detail.safetensors", "ink.safetensors"]
+
+
+def test_entry_by_name_stem_and_position():
+    assert find_entry(NAMES, "detail.safetensors", "x") == 1
+    assert find_entry(NAMES, "detail", "x") == 1
+    assert find_entry(NAMES, "#3", "x") == 2 and find_entry(NAMES, "1", "x") == 0
+    with pytest.raises(GridError, match="names 2 entries"):
+        find_entry(NAMES, "ink", "x")
+    with pytest.raises(GridError, match="no stack entry named 'nope'"):
+        find_entry(NAMES, "nope", "x")
+    with pytest.raises(GridError, match="#4 does not exist"):
+        find_entry(NAMES, "#4", "x")
+
+
+def test_cells_strengths_and_chunks():
+    g = build(NAMES, [0.8, 1.0, 0.3], [("x", "#1", "0, 1"), ("y", "detail", "0:1:0.5"), ("z", "", "")])
+    assert g.shape == (2, 3, 1) and g.cells == 6
+    assert [g.strengths(i) for i in range(6)] == [
+        [0, 0.0, 0.3], [1, 0.0, 0.3], [0, 0.5, 0.3], [1, 0.5, 0.3], [0, 1.0, 0.3], [1, 1.0, 0.3]]
+    assert g.table(0, 3) == [[0, 1, 0], [0.0, 0.0, 0.5], [0.3, 0.3, 0.3]]
+    assert g.chunks(4) == [(0, 4), (4, 6)] and g.chunks(100) == [(0, 6)]
+
+
+def test_grid_errors():
+    with pytest.raises(GridError, match="already varied"):
+        build(NAMES, [1, 1, 1], [("x", "#1", "0"), ("y", "#1", "1")])
+    with pytest.raises(GridError, match="no axis"):
+        build(NAMES, [1, 1, 1], [("x", "", "")])
+    with pytest.raises(GridError, match="no stack entry is named"):
+        build(NAMES, [1, 1, 1], [("x", "", "0, 1")])

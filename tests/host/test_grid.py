@@ -1,0 +1,115 @@
+"""LoRAStrengthGrid on a real ComfyUI server: every cell equals its own batch-1 run.
+
+Tolerance: sampling N identical items in one batch can differ from a batch-1 run by the
+kernels' summation order. That floor is measured with stock nodes only (a stock LoraLoader
+chain, a batch of 9 identical latents whose noise is fixed by LatentBatchSeedBehavior), and
+taken no smaller than the metric's resolution (one pixel off by one level). Every grid cell
+must match its batch-1 run within 3× that floor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from tools.comfy_server import ComfyExecutionError, ComfyPromptError
+
+from . import workflows as wf
+
+pytestmark = pytest.mark.host
+
+STYLE, DETAIL = wf.NAMES["style.safetensors"], wf.NAMES["detail.safetensors"]
+VALUES = [0.0, 0.5, 1.0]
+
+
+def mad(a, b) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
+
+
+@pytest.fixture(scope="module")
+def grid_prompt():
+    p = wf.small(wf.load("lora_grid_api.json"), prefix="grid")
+    p["5"]["inputs"].update(x_entry="#1", x_values="0, 0.5, 1", y_entry="#2", y_values="0, 0.5, 1")
+    p["12"] = {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "cells"}}
+    return p
+
+
+def cell_reference(grid_prompt, sx, sy):
+    """The same graph as a plain batch-1 run: LoRAStack entries at the cell's strengths -> MultiLoRALoader."""
+    p = copy.deepcopy(grid_prompt)
+    g = p.pop("5")["inputs"]
+    for node in ("10", "11", "12"):
+        p.pop(node)
+    p["2"]["inputs"]["strength_model"] = sx
+    p["3"]["inputs"]["strength_model"] = sy
+    p["20"] = {"class_type": "MultiLoRALoader", "inputs": {"model": g["model"], "clip": g["clip"],
+                                                           "lora_stack": ["3", 0], "max_loras": 0}}
+    p["6"]["inputs"]["clip"] = p["7"]["inputs"]["clip"] = ["20", 1]
+    p["8"]["inputs"].update(model=["20", 0], latent_image=g["latent"])
+    p["13"] = {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "ref"}}
+    return p
+
+
+@pytest.fixture(scope="module")
+def batching_floor(server, grid_prompt):
+    ref = wf.to_stock(cell_reference(grid_prompt, 0.5, 0.5), "20")
+    single = server.run(ref)[0]
+    batch = copy.deepcopy(ref)
+    batch["4"]["inputs"]["batch_size"] = 9
+    batch["30"] = {"class_type": "LatentBatchSeedBehavior", "inputs": {"samples": ["4", 0], "seed_behavior": "fixed"}}
+    batch["8"]["inputs"]["latent_image"] = ["30", 0]
+    items = server.run(batch)
+    assert len(items) == 9
+    resolution = 1.0 / single.size  # one pixel channel off by one level
+    return max(resolution, max(mad(i, single) for i in items))
+
+
+@pytest.fixture(scope="module")
+def grid_run(server, grid_prompt):
+    images = server.run(grid_prompt)
+    assert len(images) == 1 + 9  # the grid image, then the 9 cells
+    return images[0], images[1:]
+
+
+def test_every_cell_equals_its_batch_1_run(server, grid_prompt, grid_run, batching_floor, record_property):
+    grid_image, cells = grid_run
+    tol = 3 * batching_floor
+    worst = 0.0
+    for j, sy in enumerate(VALUES):
+        for i, sx in enumerate(VALUES):
+            ref = server.run(cell_reference(grid_prompt, sx, sy))[0]
+            worst = max(worst, mad(cells[i + 3 * j], ref))
+    record_property("batching_floor", batching_floor)
+    record_property("worst_cell", worst)
+    print(f"\ngrid 3x3: worst cell vs its batch-1 run {worst:.5f}; batching floor {batching_floor:.5f}")
+    assert worst <= tol
+    assert mad(cells[0], cells[8]) > 10 * max(tol, 0.1)  # the strengths really differ across the grid
+    assert grid_image.shape[0] > 3 * 64 and grid_image.shape[1] > 3 * 64
+
+
+def test_split_batches_give_the_same_grid(server, grid_prompt, grid_run, batching_floor):
+    split = copy.deepcopy(grid_prompt)
+    split["5"]["inputs"]["max_batch"] = 4  # 9 cells: batches of 4, 4 and 1
+    images = server.run(split)
+    grid_image, cells = images[0], images[1:]
+    assert len(cells) == 9
+    assert grid_image.shape == grid_run[0].shape
+    for a, b in zip(cells, grid_run[1]):
+        assert mad(a, b) <= 3 * batching_floor
+    assert mad(grid_image, grid_run[0]) <= 3 * batching_floor
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("x_entry", "nope", "no stack entry named 'nope'"),
+    ("x_values", "0, abc", "'abc'"),
+    ("y_values", "", "no values"),
+    ("y_entry", "#1", "already varied"),
+])
+def test_bad_axis_fails_before_sampling(server, grid_prompt, field, value, text):
+    p = copy.deepcopy(grid_prompt)
+    p["5"]["inputs"][field] = value
+    with pytest.raises((ComfyPromptError, ComfyExecutionError)) as e:
+        server.run(p)
+    assert text in str(e.value)
