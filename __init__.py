@@ -1,12 +1,17 @@
 """ComfyUI entry point. The comfy imports are guarded so that `import lora_engine` and the tests
 work without ComfyUI."""
 
-import os
 import sys
 
-_here = os.path.dirname(os.path.abspath(__file__))
-if _here not in sys.path:
-    sys.path.insert(0, _here)  # so that `import lora_engine` resolves to this pack's engine
+from . import lora_engine as _engine
+from .lora_engine import grid as _grid  # noqa: F401  (loaded here so that it is aliased below)
+
+# The nodes import the engine by its own name. Registering the package and its submodules (rather
+# than putting this folder on sys.path) keeps `nodes`, `tools` and `tests` here from shadowing other
+# modules, and keeps one copy of every engine module.
+for _name, _module in list(sys.modules.items()):
+    if _name == _engine.__name__ or _name.startswith(_engine.__name__ + "."):
+        sys.modules.setdefault("lora_engine" + _name[len(_engine.__name__):], _module)
 
 WEB_DIRECTORY = "./web"
 
