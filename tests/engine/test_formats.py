@@ -225,3 +225,60 @@ def test_peft_alpha_from_the_header(tmp_path, conf, scale_of):
     for name in lf.LAYERS:
         lp = adapter.layers["unet." + name]
         assert lp.weight.scale == pytest.approx(scale_of(name, lp.weight.rank)), name
+
+
+class CastLinear(torch.nn.Linear):
+    """Stores its weight in fp8 and casts it in forward, as ComfyUI's manual-cast and GGUF layers do."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv1d(4, 6, 3, padding=1)
+        self.c3 = torch.nn.Conv3d(6, 5, (1, 3, 3), padding=(0, 1, 1), stride=(1, 2, 2))
+        self.q = CastLinear(5, 7)
+        self.q.weight.data = self.q.weight.data.to(torch.float8_e4m3fn)
+
+    def forward(self, x):  # x: [B, 4, 8]
+        h = torch.relu(self.c1(x))  # [B, 6, 8]
+        h = self.c3(h.reshape(h.shape[0], 6, 1, 2, 4).expand(-1, -1, 2, -1, -1).contiguous())
+        return self.q(h.mean(dim=(2, 3, 4)))
+
+
+@pytest.mark.parametrize("layout", ["kohya", "loha"])
+def test_conv1d_conv3d_and_a_casting_fp8_layer(tmp_path, layout):
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    g = torch.Generator().manual_seed(5)
+    t = {}
+    shapes = {"c1": (6, 4, 3), "c3": (5, 6, 1, 3, 3), "q": (7, 5)}
+    for name, shape in shapes.items():
+        p = "lora_unet_" + name
+        if layout == "kohya":
+            t[p + ".lora_down.weight"] = torch.randn(2, *shape[1:], generator=g) * 0.3
+            t[p + ".lora_up.weight"] = torch.randn(shape[0], 2, *[1] * (len(shape) - 2), generator=g) * 0.3
+        else:
+            rest = torch.Size(shape[1:]).numel()
+            t[p + ".hada_w1_a"], t[p + ".hada_w1_b"] = torch.randn(shape[0], 2, generator=g), torch.randn(2, rest, generator=g)
+            t[p + ".hada_w2_a"], t[p + ".hada_w2_b"] = torch.randn(shape[0], 2, generator=g), torch.randn(2, rest, generator=g)
+        t[p + ".alpha"] = torch.tensor(1.0)
+    adapter = load_adapter(lf.write(tmp_path, "mixed.safetensors", t))
+    x = torch.randn(3, 4, 8, generator=g)
+    with torch.no_grad():
+        base = model(x)
+        ref = copy.deepcopy(model)
+        mods = dict(ref.named_modules())
+        for name, shape in shapes.items():
+            lp = adapter.layers["lora_unet_" + name]
+            w = mods[name].weight
+            mods[name].weight.data = (w.float() + 0.9 * lp.weight.delta(torch.Size(shape))).to(w.dtype) \
+                if name != "q" else w.float() + 0.9 * lp.weight.delta(torch.Size(shape))
+        expected = ref(x)
+        SlotBank(model, max_loras=1).activate([(adapter, 0.9)])
+        got = model(x)
+    assert model.q.weight.dtype == torch.float8_e4m3fn  # the runtime never touched the fp8 weight
+    assert (expected - base).abs().max() > 1e-2
+    assert (got - expected).abs().max() <= 1e-4
