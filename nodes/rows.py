@@ -84,8 +84,8 @@ class LoRAStackRows:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("LORA_STACK",)
     RETURN_NAMES = ("lora_stack",)
-    OUTPUT_TOOLTIPS = ("The incoming stack plus the enabled rows: a list of (lora_name, strength_model, "
-                       "strength_clip).",)
+    OUTPUT_TOOLTIPS = (("The incoming stack plus the enabled rows: a list of (lora_name, strength_model, "
+                        "strength_clip)."),)
     FUNCTION = "stack"
 
     @classmethod
@@ -94,8 +94,8 @@ class LoRAStackRows:
         optional = {
             "lora_stack": ("LORA_STACK", {"tooltip": "A stack to extend: from LoRAStack, another LoRAStackRows, "
                                           "or any pack that uses (name, strength_model, strength_clip) tuples."}),
-            "single_strength": ("BOOLEAN", {"default": False, "label_on": "one strength",
-                                            "label_off": "model + clip",
+            "single_strength": ("BOOLEAN", {"default": False, "display_name": "single strength", "label_on": "on",
+                                            "label_off": "off",
                                             "tooltip": "On: each row has one strength, used for the model and the "
                                                        "text encoder; the clip strengths are ignored."}),
         }

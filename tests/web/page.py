@@ -1,0 +1,172 @@
+"""What the web tests do in the ComfyUI page: real mouse and keyboard on the canvas and the DOM, plus
+reads of the frontend's state (app.graph) to check the result. Positions on the canvas come from
+the node's own layout (widget.y, getConnectionPos) through the canvas transform."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .browser import BrowserError
+
+NODE_CLASS = "LoRAStackRows"
+
+# Client coordinates of a point of a node: a widget's row (fx: fraction of the node's width), or a slot.
+# The canvas draws graph point p at (p + ds.offset) * ds.scale inside the canvas element.
+TO_CLIENT = """const toClient = ([x, y]) => {
+  const {offset, scale} = app.canvas.ds
+  const r = app.canvas.canvas.getBoundingClientRect()
+  return [r.left + (x + offset[0]) * scale, r.top + (y + offset[1]) * scale]
+}"""
+
+WIDGET_POINT = """({node, name, fx}) => {
+  """ + TO_CLIENT + """
+  const n = app.graph.getNodeById(node)
+  const w = n.widgets.find((w) => w.name === name)
+  if (!w || w.hidden) throw new Error(`widget ${name} is not shown`)
+  return toClient([n.pos[0] + n.size[0] * (fx ?? 0.5), n.pos[1] + w.y + LiteGraph.NODE_WIDGET_HEIGHT / 2])
+}"""
+
+SLOT_POINT = """({node, input, name}) => {
+  """ + TO_CLIENT + """
+  const n = app.graph.getNodeById(node)
+  const index = input ? n.findInputSlot(name) : n.findOutputSlot(name)
+  return toClient(n.getConnectionPos(input, index))
+}"""
+
+NODE_RECT = """({node, margin}) => {
+  """ + TO_CLIENT + """
+  const n = app.graph.getNodeById(node)
+  const [x, y, w, h] = n.boundingRect
+  const [x0, y0] = toClient([x, y])
+  const [x1, y1] = toClient([x + w, y + h])
+  return {x: x0 - margin, y: y0 - margin, width: x1 - x0 + 2 * margin, height: y1 - y0 + 2 * margin}
+}"""
+
+# Everything the tests compare about a rows node.
+ROWS_STATE = """({node}) => {
+  const n = app.graph.getNodeById(node)
+  const c = n.multiloraRows
+  const values = {}
+  for (const w of n.widgets) if (w.serialize !== false) values[w.name] = w.value
+  return {
+    count: c.count, capacity: c.capacity, rows: c.rows(), single: c.singleStrength(), values,
+    shown: n.widgets.filter((w) => !w.hidden).map((w) => w.name),
+    links: Object.fromEntries(n.inputs.filter((i) => i.link != null).map((i) => {
+      const l = n.getInputLink(n.findInputSlot(i.name))
+      return [i.name, [l.origin_id, l.origin_slot]]
+    })),
+    panel: [...c.panel.element.querySelectorAll('.mlora-row')].map((r) => ({
+      row: Number(r.dataset.row), enabled: r.dataset.enabled === 'true',
+      name: r.querySelector('.mlora-name').textContent,
+      badges: [...r.querySelectorAll('.mlora-badge')].map((b) => [b.dataset.kind, b.textContent]),
+      meta: r.querySelector('.mlora-meta').textContent,
+    })),
+  }
+}"""
+
+PROMPT_OF = """async ({node}) => {
+  const {output, workflow} = await app.graphToPrompt()
+  return {inputs: output[String(node)]?.inputs ?? null, output, workflow}
+}"""
+
+
+def panel(node_id: int, inner: str = "") -> str:
+    """A CSS selector inside the panel of one node (the panel carries no id, so find it by its row)."""
+    return f"[data-multilora-node='{node_id}'] {inner}".strip()
+
+
+def wait_ready(b, timeout_s: float = 90.0) -> None:
+    b.wait_for("() => !!(window.app && window.app.isGraphReady && window.app.canvas)", timeout_s=timeout_s)
+    b.wait_for("() => app.extensions.some((e) => e.name === 'comfyui-multilora.rows')", timeout_s=30)
+
+
+def settle(b, seconds: float = 0.3) -> None:
+    """Let the canvas draw a frame (LiteGraph draws lazily)."""
+    b.js("() => app.canvas.setDirty(true, true)")
+    time.sleep(seconds)
+
+
+def click_widget(b, node_id: int, name: str, fx: float = 0.5) -> None:
+    x, y = b.js(WIDGET_POINT, {"node": node_id, "name": name, "fx": fx})
+    b.call("mouse", action="click", x=x, y=y)
+
+
+def pick_combo(b, node_id: int, name: str, value: str) -> None:
+    """Open a combo widget's menu with a click and choose `value` in it."""
+    click_widget(b, node_id, name)
+    b.click(f".litecontextmenu .litemenu-entry:text-is('{value}')")
+    settle(b)
+
+
+def type_number(b, node_id: int, name: str, value: float) -> None:
+    """Click a number widget's value and type a new one into LiteGraph's prompt."""
+    click_widget(b, node_id, name)
+    b.call("fill", selector=".graphdialog input.value", text=str(value), timeout=5000)
+    b.call("key", press="Enter")
+    settle(b)
+
+
+def drag_link(b, src: tuple[int, str], dst: tuple[int, str]) -> None:
+    """Drag from an output slot to an input slot."""
+    x0, y0 = b.js(SLOT_POINT, {"node": src[0], "input": False, "name": src[1]})
+    x1, y1 = b.js(SLOT_POINT, {"node": dst[0], "input": True, "name": dst[1]})
+    b.call("mouse", action="drag", x=x0, y=y0, to=[x1, y1], steps=12)
+    settle(b)
+
+
+def add_node_from_search(b, query: str, at: tuple[float, float]) -> int:
+    """Double-click the empty canvas, search, press Enter and drop the new node at `at`; its id."""
+    before = set(b.js("() => app.graph.nodes.map((n) => n.id)"))
+    for attempt in range(3):  # right after a page load the canvas may miss the first double-click
+        b.call("mouse", action="dblclick", x=at[0], y=at[1])
+        try:
+            b.wait_for("() => document.activeElement?.tagName === 'INPUT'", timeout_s=5)  # the search box
+            break
+        except BrowserError:
+            if attempt == 2:
+                raise
+            b.call("key", press="Escape")
+            time.sleep(1.0)
+    b.call("key", type=query)
+    time.sleep(1.0)
+    b.call("key", press="Enter")
+    time.sleep(0.5)
+    b.call("mouse", action="click", x=at[0], y=at[1])  # a new node follows the pointer until a click
+    settle(b)
+    new = [i for i in b.js("() => app.graph.nodes.map((n) => n.id)") if i not in before]
+    assert len(new) == 1, f"the search box added {len(new)} nodes"
+    return new[0]
+
+
+def state(b, node_id: int) -> dict:
+    return b.js(ROWS_STATE, {"node": node_id})
+
+
+def prompt(b, node_id: int) -> dict:
+    return b.js(PROMPT_OF, {"node": node_id})
+
+
+def screenshot(b, node_id: int, path: Path, margin: int = 12) -> Path:
+    settle(b, 0.5)
+    b.call("screenshot", path=str(path), clip=b.js(NODE_RECT, {"node": node_id, "margin": margin}))
+    return path
+
+
+def queue_from_ui(b, timeout_s: float = 600.0) -> str:
+    """Press the Run button; the id of the prompt once the server reports it finished."""
+    b.js("""() => {
+      window.__multiloraRuns ??= []
+      if (!window.__multiloraListening) {
+        window.__multiloraListening = true
+        const {api} = window.comfyAPI.api
+        for (const ev of ['execution_success', 'execution_error', 'execution_interrupted'])
+          api.addEventListener(ev, (e) => window.__multiloraRuns.push({event: ev, id: e.detail.prompt_id}))
+      }
+      window.__multiloraSeen = window.__multiloraRuns.length
+    }""")
+    b.click("[data-testid='queue-button']")
+    done = b.wait_for("() => window.__multiloraRuns.length > window.__multiloraSeen "
+                      "&& window.__multiloraRuns[window.__multiloraSeen]", timeout_s=timeout_s)
+    assert done["event"] == "execution_success", f"the queued prompt ended with {done}"
+    return done["id"]

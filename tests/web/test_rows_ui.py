@@ -1,0 +1,375 @@
+"""The LoRAStackRows node in ComfyUI's own frontend, in headless Chromium, against a real server.
+
+One page serves the whole module and the tests run in file order, each building on the last, as a
+user would: load the example workflow, swap its chain of LoRAStack nodes for one rows node added
+from the search box, edit the rows with the mouse and keyboard, queue, read the status and the
+metadata, save and reload. Screenshots of the node go to .artifacts/web/.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from tools import synth
+
+from . import page as P
+from . import workflows as wf
+from .conftest import META_LORA, PARTIAL_LORA
+
+pytestmark = pytest.mark.web
+
+LOADER = 5  # the MultiLoRALoader of examples/workflows/multilora.json
+# Where the example's nodes go on the canvas (graph coordinates), by type; the rows node goes at (40, 40).
+LAYOUT = {
+    "CheckpointLoaderSimple": [[480, 40]], "MultiLoRALoader": [[480, 220]],
+    "CLIPTextEncode": [[880, 40], [880, 300]], "EmptyLatentImage": [[880, 560]],
+    "KSampler": [[1280, 40]], "VAEDecode": [[1280, 380]], "SaveImage": [[1280, 500]],
+}
+STYLE, CHARACTER, DETAIL = (r["lora"] for r in wf.EXAMPLE_ROWS)
+
+
+def row(lora, sm=1.0, sc=1.0, enabled=True):
+    return {"enabled": enabled, "lora": lora, "strength_model": sm, "strength_clip": sc}
+
+
+# The rows at the end of the editing test: the example's three LoRAs, then two rows that are off.
+FINAL_ROWS = [*wf.EXAMPLE_ROWS, row(PARTIAL_LORA, enabled=False), row(META_LORA, 0.3, 0.3, enabled=False)]
+
+
+def mad(a, b) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
+
+
+@pytest.fixture(scope="module")
+def ui(browser, web_server):
+    """The page, opened once; `ui` carries what the ordered tests hand on to each other."""
+    web_server.post_json("/settings/Comfy.TutorialCompleted", True)  # no template browser on a first start
+    web_server.post_json("/settings/Comfy.Minimap.Visible", False)  # nothing over the canvas's corner
+    browser.call("goto", url=web_server.url, timeout=120_000, timeout_s=150)
+    P.wait_ready(browser)
+    return {}
+
+
+def rows_node(ui) -> int:
+    if "node" not in ui:
+        pytest.skip("needs the rows node that test_rows_node_is_added_from_the_search_box adds")
+    return ui["node"]
+
+
+def click_panel(b, node_id, row_no, act):
+    b.click(P.panel(node_id, f".mlora-row[data-row='{row_no}'] button[data-act='{act}']"))
+    P.settle(b)
+
+
+def image_of(server, prompt_id):
+    images = server.images_of(server.history(prompt_id))
+    assert len(images) == 1
+    return images[0]
+
+
+def test_extension_loads(ui, browser, web_server):
+    listed = web_server.get_json("/extensions")
+    assert "/extensions/ComfyUI-MultiLoRA/multilora.js" in listed
+    assert browser.js("() => app.extensions.filter((e) => e.name === 'comfyui-multilora.rows').length") == 1
+    assert browser.js("() => !!LiteGraph.registered_node_types['LoRAStackRows']")
+
+
+def test_old_chained_workflow_loads_and_queues(ui, browser, web_server):
+    """The example workflow with its LoRAStack chain, loaded in the UI, queues the same prompt as the API
+    example and gives the same image."""
+    browser.js("async (w) => { await app.loadGraphData(w) }", wf.small_ui(wf.load_ui(), "ui_chain"))
+    P.settle(browser)
+    output = P.prompt(browser, LOADER)["output"]
+    api = wf.small_api("ui_chain")
+    assert {k: (v["class_type"], v["inputs"]) for k, v in output.items()} == \
+           {k: (v["class_type"], v["inputs"]) for k, v in api.items()}
+    chain = image_of(web_server, P.queue_from_ui(browser))
+    ui["chain"] = chain
+    ui["base"] = web_server.run(wf.without_loras(wf.small_api("ui_base")))[0]
+    assert mad(chain, ui["base"]) > 5, "the LoRAs must change the image for the image tests to mean anything"
+
+
+def test_rows_node_is_added_from_the_search_box(ui, browser, web_server, artifacts):
+    # The chain goes; the other nodes get fixed places, whatever the example's layout, and the left
+    # column stays free for the rows node.
+    browser.js("""(places) => {
+      for (const n of app.graph.nodes.filter((n) => n.type === 'LoRAStack')) app.graph.remove(n)
+      for (const n of app.graph.nodes) if (places[n.type]) n.pos = places[n.type].shift()
+      app.canvas.ds.scale = 1
+      app.canvas.ds.offset = [80, 100]
+      app.canvas.setDirty(true, true)
+    }""", LAYOUT)
+    node = P.add_node_from_search(browser, "LoRA Stack Rows", at=(300, 300))
+    assert browser.js("(id) => app.graph.getNodeById(id).type", node) == P.NODE_CLASS
+    browser.js("(id) => { app.graph.getNodeById(id).pos = [40, 40]; app.canvas.setDirty(true, true) }", node)
+    ui["node"] = node
+    P.drag_link(browser, (node, "lora_stack"), (LOADER, "lora_stack"))
+    link = browser.js("""(id) => {
+      const n = app.graph.getNodeById(id)
+      return n.getInputLink(n.findInputSlot('lora_stack'))?.origin_id ?? null
+    }""", LOADER)
+    assert link == node, "dragging the rows node's output onto the loader's lora_stack input links them"
+    s = P.state(browser, node)
+    assert s["count"] == 1 and s["capacity"] >= 8
+    assert s["shown"] == ["single_strength", "enabled_1", "lora_1", "strength_model_1", "strength_clip_1",
+                          "multilora_rows"]
+    assert [r["name"] for r in s["panel"]] == ["row 1: pick a LoRA"]
+    P.screenshot(browser, node, artifacts / "rows_added.png")
+
+
+def test_rows_add_pick_toggle_remove_and_move(ui, browser, artifacts):
+    b, node = browser, rows_node(ui)
+    for _ in range(3):
+        b.click(P.panel(node, ".mlora-add"))
+    assert P.state(b, node)["count"] == 4
+    for i, r in enumerate([*wf.EXAMPLE_ROWS, row(PARTIAL_LORA)], 1):
+        P.pick_combo(b, node, f"lora_{i}", r["lora"])
+        for field in ("strength_model", "strength_clip"):
+            if r[field] != 1.0:
+                P.type_number(b, node, f"{field}_{i}", r[field])
+    assert P.state(b, node)["rows"] == [*wf.EXAMPLE_ROWS, row(PARTIAL_LORA)]
+
+    # Toggle: in the panel, and with the row's own switch on the canvas.
+    click_panel(b, node, 4, "toggle")
+    s = P.state(b, node)
+    assert s["values"]["enabled_4"] is False and s["panel"][3]["enabled"] is False
+    P.click_widget(b, node, "enabled_4")
+    P.settle(b)
+    assert P.state(b, node)["values"]["enabled_4"] is True
+    P.click_widget(b, node, "enabled_4")
+    P.settle(b)
+    assert P.state(b, node)["values"]["enabled_4"] is False
+
+    b.click(P.panel(node, ".mlora-add"))
+    P.pick_combo(b, node, "lora_5", META_LORA)
+    P.type_number(b, node, "strength_model_5", 0.3)
+    P.type_number(b, node, "strength_clip_5", 0.3)
+    meta = row(META_LORA, 0.3, 0.3)
+    partial_off = row(PARTIAL_LORA, enabled=False)
+    style, character, detail = wf.EXAMPLE_ROWS
+
+    click_panel(b, node, 2, "remove")
+    s = P.state(b, node)
+    assert s["rows"] == [style, detail, partial_off, meta] and s["count"] == 4
+    assert "lora_5" not in s["shown"] and s["values"]["lora_5"] == "None", "a freed row is hidden and reset"
+    click_panel(b, node, 4, "up")
+    assert P.state(b, node)["rows"] == [style, detail, meta, partial_off]
+    click_panel(b, node, 3, "down")
+    assert P.state(b, node)["rows"] == [style, detail, partial_off, meta]
+
+    b.click(P.panel(node, ".mlora-add"))
+    P.pick_combo(b, node, "lora_5", CHARACTER)
+    P.type_number(b, node, "strength_model_5", character["strength_model"])
+    P.type_number(b, node, "strength_clip_5", character["strength_clip"])
+    for at in (5, 4, 3):
+        click_panel(b, node, at, "up")
+    click_panel(b, node, 5, "toggle")
+    s = P.state(b, node)
+    assert s["rows"] == FINAL_ROWS and s["count"] == 5
+    assert [r["name"] for r in s["panel"]] == [r["lora"] for r in FINAL_ROWS]
+    assert [r["enabled"] for r in s["panel"]] == [r["enabled"] for r in FINAL_ROWS]
+    assert b.call("count", selector=P.panel(node, ".mlora-row[data-row='1'] button[data-act='up']:disabled")) == 1
+    P.screenshot(b, node, artifacts / "rows_edited.png")
+
+
+def test_strengths_are_real_inputs_that_move_with_their_row(ui, browser):
+    """A strength converted to a socket takes its value from another node, and the link follows its row."""
+    b, node = browser, rows_node(ui)
+    prim = b.js("""() => {
+      const n = LiteGraph.createNode('PrimitiveFloat')
+      n.pos = [480, 440]
+      app.graph.add(n)
+      n.widgets[0].value = -0.4
+      return n.id
+    }""")
+    P.settle(b)
+    P.drag_link(b, (prim, "FLOAT"), (node, "strength_model_2"))
+    assert P.state(b, node)["links"].get("strength_model_2") == [prim, 0]
+    click_panel(b, node, 2, "down")
+    s = P.state(b, node)
+    assert s["links"].get("strength_model_3") == [prim, 0] and "strength_model_2" not in s["links"]
+    assert s["rows"][2]["lora"] == CHARACTER and s["rows"][1]["lora"] == DETAIL
+    click_panel(b, node, 3, "up")
+    s = P.state(b, node)
+    assert s["links"].get("strength_model_2") == [prim, 0] and s["rows"] == FINAL_ROWS
+    ui["primitive"] = prim
+
+
+def test_prompt_carries_only_the_rows_in_use(ui, browser):
+    b, node = browser, rows_node(ui)
+    inputs = P.prompt(b, node)["inputs"]
+    expected = {"single_strength": False}
+    for i, r in enumerate(FINAL_ROWS, 1):
+        expected.update({f"{f}_{i}": r[f] for f in ("enabled", "lora", "strength_model", "strength_clip")})
+    if "primitive" in ui:
+        expected["strength_model_2"] = [str(ui["primitive"]), 0]
+    assert inputs == expected
+
+
+def test_queue_produces_the_expected_image(ui, browser, web_server):
+    """The rows stand for the example's chain: the same image, and the rows that are off change nothing."""
+    rows_node(ui)
+    if "chain" not in ui:
+        pytest.skip("needs the chained workflow's image from test_old_chained_workflow_loads_and_queues")
+    # The partial LoRA is off in the rows: run it alone first, so that its match report exists for the
+    # status test; the rows' own run then puts their adapters back in the slots.
+    web_server.run(wf.rows_api(wf.small_api("ui_partial"), [row(PARTIAL_LORA)]))
+    image = image_of(web_server, P.queue_from_ui(browser))
+    assert mad(image, ui["chain"]) < 0.5
+    assert mad(image, ui["base"]) > 5
+
+
+def test_status_and_metadata_appear(ui, browser, web_server, artifacts):
+    b, node = browser, rows_node(ui)
+    b.click(P.panel(node, ".mlora-refresh"))
+    b.wait_for("""(id) => {
+      const rows = document.querySelectorAll(`[data-multilora-node='${id}'] .mlora-row`)
+      return rows.length === 5 && rows[3].querySelector('[data-kind="partial"]')
+        && rows[4].querySelector('.mlora-meta').textContent.includes('triggers')
+    }""", node, timeout_s=30)
+    s = P.state(b, node)
+    for r in s["panel"][:3]:
+        kinds = [k for k, _ in r["badges"]]
+        assert kinds[0] in ("slot", "cached") and kinds[1] == "layers" and "partial" not in kinds, r
+        assert r["meta"].startswith("SD1.x? · rank "), r  # no kohya metadata: guessed from the keys
+    assert s["panel"][0]["badges"][0][0] == "slot", "the last run's adapters are resident in slots"
+    partial = dict(s["panel"][3]["badges"])
+    assert partial["partial"] == "⚠ partial"
+    assert s["panel"][4]["meta"] == "SD1.x · rank 4 · triggers: sks dog, outdoors, grass, dog"
+    rank = synth.STANDARD_LORAS["peft"]["rank"]
+    assert s["panel"][1]["meta"] == f"SD1.x? · rank {rank}"
+    title = b.js("(id) => document.querySelector(`[data-multilora-node='${id}'] "
+                 ".mlora-row[data-row='4'] [data-kind='partial']`).title", node)
+    assert "1 layers match no layer" in title
+    P.screenshot(b, node, artifacts / "rows_status.png")
+
+
+def test_saved_workflow_reloads_with_identical_values(ui, browser, artifacts):
+    b, node = browser, rows_node(ui)
+    before = P.state(b, node)
+    saved = P.prompt(b, node)
+    (artifacts / "rows_workflow.json").write_text(json.dumps(saved["workflow"], indent=1))
+    ui["saved"] = saved["workflow"]
+
+    time.sleep(1.5)  # the frontend writes the open workflow to storage 512 ms after the last change
+    b.call("reload", timeout=60_000, timeout_s=90)  # and restores it on reload
+    P.wait_ready(b)
+    b.wait_for("(id) => app.graph.getNodeById(id)?.multiloraRows?.count > 1", node, timeout_s=30)
+    for name, again in (("reload", P.state(b, node)), ("load", None)):
+        if again is None:
+            b.js("async (w) => { await app.loadGraphData(w) }", saved["workflow"])
+            again = P.state(b, node)
+        for key in ("values", "rows", "count", "shown", "links", "single"):
+            assert again[key] == before[key], f"after {name}: {key} differs"
+        assert P.prompt(b, node)["inputs"] == saved["inputs"], f"after {name}: the prompt differs"
+    P.screenshot(b, node, artifacts / "rows_reloaded.png")
+
+
+@pytest.mark.parametrize("case", ["inputs_reordered", "no_snapshot", "newer_snapshot", "fewer_rows_saved",
+                                  "more_rows_than_this_version_holds"])
+def test_workflows_from_other_versions_load(ui, browser, case):
+    """Rows come back by name from the snapshot whatever the positional widgets_values say; a workflow
+    without a snapshot (older, or written by a tool) falls back to the widget values."""
+    b, node = browser, rows_node(ui)
+    if "saved" not in ui:
+        pytest.skip("needs the workflow saved by test_saved_workflow_reloads_with_identical_values")
+    w = json.loads(json.dumps(ui["saved"]))
+    n = next(x for x in w["nodes"] if x["id"] == node)
+    expected = FINAL_ROWS
+    if case == "inputs_reordered":  # a later pack that declares its inputs in another order
+        n["widgets_values"] = n["widgets_values"][::-1]
+    elif case == "no_snapshot":
+        del n["properties"]["multilora_rows"]
+    elif case == "newer_snapshot":  # fields this version does not know are ignored
+        snap = n["properties"]["multilora_rows"]
+        snap.update(v=2, schedule="linear")
+        for r in snap["rows"]:
+            r["block_weights"] = "1,1,0"
+        n["widgets_values"] = []
+    elif case == "fewer_rows_saved":
+        n["properties"]["multilora_rows"]["rows"] = n["properties"]["multilora_rows"]["rows"][:2]
+        expected = FINAL_ROWS[:2]
+    elif case == "more_rows_than_this_version_holds":  # saved by a later pack with more rows
+        capacity = P.state(b, node)["capacity"]
+        extra = [row(META_LORA, round(0.1 * i, 2)) for i in range(capacity + 2 - len(FINAL_ROWS))]
+        n["properties"]["multilora_rows"]["rows"] += extra
+        expected = (FINAL_ROWS + extra)[:capacity]
+    b.js("async (w) => { await app.loadGraphData(w) }", w)
+    s = P.state(b, node)
+    assert s["rows"] == expected and s["count"] == len(expected)
+    notice = b.call("texts", selector=P.panel(node, ".mlora-cache[data-error='true']"))
+    holds = f"⚠ 2 saved rows did not fit: this version holds {s['capacity']}"
+    assert notice == ([holds] if case.startswith("more") else [])
+    b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
+
+
+def test_single_strength_mode(ui, browser, artifacts):
+    b, node = browser, rows_node(ui)
+    shown = P.state(b, node)["shown"]
+    P.click_widget(b, node, "single_strength")
+    P.settle(b)
+    s = P.state(b, node)
+    assert s["single"] is True
+    assert not [n for n in s["shown"] if n.startswith("strength_clip_")]
+    inputs = P.prompt(b, node)["inputs"]
+    assert inputs["single_strength"] is True and not [k for k in inputs if k.startswith("strength_clip_")]
+    P.screenshot(b, node, artifacts / "rows_single_strength.png")
+    P.click_widget(b, node, "single_strength")
+    P.settle(b)
+    assert P.state(b, node)["shown"] == shown
+
+
+VUE_LABELS = """(id) => [...document.querySelectorAll(`[data-node-id="${id}"] [data-testid=widget-layout-field-label]`)]
+  .map((e) => e.textContent.trim())"""
+
+
+def vue_labels(b, node, want, timeout_s=30.0):
+    """The widget labels the Vue renderer shows on `node`, once they equal `want` (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        labels = b.js(VUE_LABELS, node)
+        if labels == want or time.monotonic() > deadline:
+            return labels
+        time.sleep(0.3)
+
+
+def test_rows_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
+    """"Nodes 2.0" draws nodes as DOM and reads widget options: the same rows show, the panel works."""
+    b, node = browser, rows_node(ui)
+    if "saved" not in ui:
+        pytest.skip("needs the workflow saved by test_saved_workflow_reloads_with_identical_values")
+    b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
+    time.sleep(1.5)  # stored 512 ms after the last change, and restored by the reload below
+    web_server.post_json("/settings/Comfy.VueNodes.Enabled", True)
+    try:
+        b.call("reload", timeout=60_000, timeout_s=90)
+        P.wait_ready(b)
+        assert b.js("() => LiteGraph.vueNodesMode") is True
+        rows = [f"{f} {i}" for i in range(1, len(FINAL_ROWS) + 1) for f in ("row", "lora", "model", "clip")]
+        shown = ["single strength", *rows]
+        assert vue_labels(b, node, shown) == shown
+        b.click(P.panel(node, ".mlora-add"))
+        extra = [f"{f} {len(FINAL_ROWS) + 1}" for f in ("row", "lora", "model", "clip")]
+        assert vue_labels(b, node, shown + extra, 10) == shown + extra
+        click_panel(b, node, len(FINAL_ROWS) + 1, "remove")
+        assert vue_labels(b, node, shown, 10) == shown
+        assert P.state(b, node)["rows"] == FINAL_ROWS
+        b.call("screenshot", path=str(artifacts / "rows_vue_nodes.png"))
+    finally:
+        web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
+        b.call("reload", timeout=60_000, timeout_s=90)
+        P.wait_ready(b)
+
+
+def test_no_console_errors_or_warnings_from_the_extension(ui, browser):
+    ours = [m for m in browser.messages()
+            if m["type"] in ("error", "warning", "pageerror", "assert")
+            and ("/extensions/ComfyUI-MultiLoRA/" in m["url"] or "multilora" in m["text"].lower()
+                 or "LoRAStackRows" in m["text"])]
+    assert ours == []
+    page_errors = [m for m in browser.messages() if m["type"] == "pageerror"]
+    assert page_errors == [], "uncaught errors in the page"

@@ -1,0 +1,214 @@
+/**
+ * One LoRAStackRows node on the canvas: which of its declared rows are in use, and the row
+ * operations. It talks to the node only through LiteGraph's public node API (widgets, inputs,
+ * getInputLink, connect, disconnectInput, addDOMWidget); the row logic is in rows.js.
+ */
+
+import { createPanel } from './panel.js'
+import {
+  FIELDS, NONE, SNAPSHOT_KEY, applyOrder, inPrompt, inferCount, inputName, makeSnapshot, orderAfterAdd,
+  orderAfterMove, orderAfterRemove, parseInputName, readRows, readSnapshot, rowCapacity, rowValues,
+} from './rows.js'
+import { badges, cacheLine, metaText, rowStatus } from './status.js'
+
+const MIN_WIDTH = 380 // room for a file name, its badges and its metadata line
+
+export class RowsController {
+  /** services: {status(), info(name), refresh(), beforeChange(), afterChange()} */
+  constructor(node, services) {
+    this.node = node
+    this.services = services
+    this.capacity = rowCapacity((node.widgets ?? []).map((w) => w.name))
+    this.count = 1
+    this.dropped = 0 // rows of a loaded snapshot beyond this version's capacity
+    this.panel = createPanel({
+      add: () => this.add(),
+      remove: (row) => this.remove(row - 1),
+      up: (row) => this.move(row - 1, row - 2),
+      down: (row) => this.move(row - 1, row),
+      toggle: (row) => this.toggle(row - 1),
+      refresh: () => services.refresh(),
+    })
+    this.panelWidget = node.addDOMWidget('multilora_rows', 'multilora-rows', this.panel.element, {
+      serialize: false,
+      hideOnZoom: false,
+      margin: 4,
+      getMinHeight: () => this.panel.height(),
+      getMaxHeight: () => this.panel.height(),
+    })
+    this.panelWidget.serialize = false
+    node.setSize([Math.max(node.size[0], MIN_WIDTH), node.size[1]]) // a saved workflow's size replaces it
+    for (const w of node.widgets ?? []) {
+      if (!parseInputName(w.name)) continue
+      const own = w.serializeValue
+      // Rows not in use stay out of the API prompt; rows in use go in as they are.
+      w.serializeValue = (n, i) =>
+        inPrompt(w.name, this.count, this.singleStrength()) ? (own ? own.call(w, n, i) : w.value) : undefined
+    }
+    this.sync()
+  }
+
+  widget(name) {
+    return this.node.widgets?.find((w) => w.name === name)
+  }
+
+  get(name) {
+    return this.widget(name)?.value
+  }
+
+  set(name, value) {
+    const w = this.widget(name)
+    if (w && w.value !== value) w.value = value
+  }
+
+  singleStrength() {
+    return this.get('single_strength') === true
+  }
+
+  slotOf(name) {
+    return this.node.findInputSlot(name)
+  }
+
+  isLinked(name) {
+    const i = this.slotOf(name)
+    return i >= 0 && this.node.inputs[i].link != null
+  }
+
+  /** The last row with a linked input: such a row is never hidden. */
+  lastLinkedRow() {
+    let last = 0
+    for (const input of this.node.inputs ?? []) {
+      const p = parseInputName(input.name)
+      if (p && input.link != null) last = Math.max(last, p.row)
+    }
+    return last
+  }
+
+  rows() {
+    return readRows((n) => this.get(n), this.count)
+  }
+
+  writeRows(rows) {
+    for (const [name, value] of Object.entries(rowValues(rows, this.capacity))) this.set(name, value)
+    this.count = Math.max(1, rows.length)
+  }
+
+  /** Move values and links together: new row j takes old row order[j] (-1: a new default row). */
+  reorder(order) {
+    const rows = applyOrder(this.rows(), order)
+    const moved = []
+    for (let old = 0; old < this.count; old++) {
+      for (const f of FIELDS) {
+        const slot = this.slotOf(inputName(f, old + 1))
+        const link = slot >= 0 ? this.node.getInputLink(slot) : null
+        if (link) moved.push({ old, f, slot, origin: link.origin_id, originSlot: link.origin_slot })
+      }
+    }
+    for (const m of moved) this.node.disconnectInput(m.slot)
+    this.writeRows(rows)
+    const graph = this.node.graph
+    order.forEach((old, j) => {
+      for (const m of moved.filter((x) => x.old === old)) {
+        graph?.getNodeById(m.origin)?.connect(m.originSlot, this.node, this.slotOf(inputName(m.f, j + 1)))
+      }
+    })
+    this.sync()
+  }
+
+  change(fn) {
+    this.services.beforeChange()
+    try {
+      fn()
+    } finally {
+      this.services.afterChange()
+    }
+  }
+
+  add() {
+    if (this.count < this.capacity) this.change(() => this.reorder(orderAfterAdd(this.count)))
+  }
+
+  remove(at) {
+    if (at >= 0 && at < this.count) this.change(() => this.reorder(orderAfterRemove(this.count, at)))
+  }
+
+  move(from, to) {
+    if (from !== to && to >= 0 && to < this.count) this.change(() => this.reorder(orderAfterMove(this.count, from, to)))
+  }
+
+  toggle(at) {
+    const name = inputName('enabled', at + 1)
+    this.change(() => this.set(name, this.get(name) === false))
+    this.render()
+    this.node.setDirtyCanvas(true, false)
+  }
+
+  /** After LiteGraph restored the widget values: the snapshot, by name, wins over positions. */
+  configure(info) {
+    const snap = readSnapshot(info?.properties?.[SNAPSHOT_KEY], this.capacity)
+    this.dropped = snap?.dropped ?? 0
+    if (snap) {
+      this.set('single_strength', snap.singleStrength)
+      this.writeRows(snap.rows)
+    } else {
+      this.count = inferCount((n) => this.get(n), this.capacity, (n) => this.isLinked(n))
+    }
+    this.sync()
+  }
+
+  serialize(data) {
+    data.properties ??= {}
+    data.properties[SNAPSHOT_KEY] = makeSnapshot(this.rows(), this.singleStrength())
+  }
+
+  widgetChanged(name) {
+    if (name === 'single_strength') this.sync()
+    else if (parseInputName(name)) this.render()
+    this.node.setDirtyCanvas(true, false)
+  }
+
+  connectionsChanged() {
+    if (this.lastLinkedRow() > this.count) this.sync()
+  }
+
+  /** Show the rows in use, hide the rest, and fit the node to them. */
+  sync() {
+    this.count = Math.min(this.capacity, Math.max(this.count, this.lastLinkedRow(), 1))
+    const single = this.singleStrength()
+    let changed = false
+    for (const w of this.node.widgets ?? []) {
+      const p = parseInputName(w.name)
+      if (!p) continue
+      const hidden = p.row > this.count || (single && p.field === 'strength_clip' && !this.isLinked(w.name))
+      changed ||= !!w.hidden !== hidden
+      // The canvas reads widget.hidden; the Vue node renderer ("Nodes 2.0") reads options.hidden.
+      w.hidden = hidden
+      w.options.hidden = hidden
+    }
+    // Assigning the same widgets again is how the Vue renderer learns that their options changed.
+    if (changed && this.node.widgets) this.node.widgets = [...this.node.widgets]
+    this.render()
+    const [, height] = this.node.computeSize()
+    this.node.setSize([this.node.size[0], height])
+    this.node.setDirtyCanvas(true, true)
+  }
+
+  render() {
+    this.panel.element.dataset.multiloraNode = String(this.node.id)
+    const status = this.services.status()
+    const view = this.rows().map((row, j) => {
+      const lora = row.lora !== NONE ? row.lora : ''
+      return {
+        row: j + 1,
+        lora,
+        enabled: row.enabled,
+        badges: badges(rowStatus(status, row.lora)),
+        meta: metaText(lora ? this.services.info(lora) : null),
+      }
+    })
+    const notice = this.dropped
+      ? `⚠ ${this.dropped} saved row${this.dropped === 1 ? '' : 's'} did not fit: this version holds ${this.capacity}`
+      : ''
+    this.panel.render({ rows: view, canAdd: this.count < this.capacity, cache: cacheLine(status), notice })
+  }
+}

@@ -1,0 +1,119 @@
+/**
+ * The pack's frontend extension: rows, status and metadata on LoRAStackRows nodes.
+ *
+ * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
+ * (onNodeCreated, onAdded, onConfigure, onSerialize, onWidgetChanged, onConnectionsChange,
+ * onRemoved), and fetches the pack's read-only routes. The rows live in controller.js and rows.js.
+ */
+
+import { api } from '../../scripts/api.js'
+import { app } from '../../scripts/app.js'
+import { RowsController } from './controller.js'
+
+const NODE_CLASS = 'LoRAStackRows'
+
+const controllers = new Set()
+const infos = new Map() // LoRA name -> info from /multilora/lora_info (null while it loads)
+let status = null
+let statusRequest = null
+
+function renderAll() {
+  for (const c of controllers) {
+    if (c.node.graph) c.render()
+    else controllers.delete(c)
+  }
+}
+
+async function getJson(path) {
+  const res = await api.fetchApi(path, { cache: 'no-store' })
+  const body = await res.json().catch(() => ({ error: `${res.status} ${res.statusText}` }))
+  if (!res.ok && !body.error) body.error = `${res.status} ${res.statusText}`
+  return body
+}
+
+function refreshStatus() {
+  statusRequest ??= getJson('/multilora/status')
+    .then((s) => {
+      status = s.error ? null : s
+    })
+    .catch(() => {
+      status = null
+    })
+    .finally(() => {
+      statusRequest = null
+      renderAll()
+    })
+  return statusRequest
+}
+
+function info(name) {
+  if (!infos.has(name)) {
+    infos.set(name, null)
+    getJson(`/multilora/lora_info?name=${encodeURIComponent(name)}`)
+      .catch((e) => ({ name, error: String(e?.message ?? e) }))
+      .then((i) => {
+        infos.set(name, i)
+        renderAll()
+      })
+  }
+  return infos.get(name)
+}
+
+const services = {
+  status: () => status,
+  info,
+  refresh() {
+    infos.clear()
+    renderAll()
+    return refreshStatus()
+  },
+  beforeChange: () => app.canvas?.emitBeforeChange?.(),
+  afterChange: () => app.canvas?.emitAfterChange?.(),
+}
+
+function chain(proto, name, after) {
+  const own = proto[name]
+  proto[name] = function (...args) {
+    const r = own?.apply(this, args)
+    after.apply(this, args)
+    return r
+  }
+}
+
+app.registerExtension({
+  name: 'comfyui-multilora.rows',
+
+  setup() {
+    for (const event of ['execution_success', 'execution_error', 'execution_interrupted']) {
+      api.addEventListener(event, refreshStatus)
+    }
+    refreshStatus()
+  },
+
+  beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name !== NODE_CLASS) return
+    const proto = nodeType.prototype
+    chain(proto, 'onNodeCreated', function () {
+      this.multiloraRows = new RowsController(this, services)
+      controllers.add(this.multiloraRows)
+    })
+    chain(proto, 'onAdded', function () {
+      this.multiloraRows?.render()
+    })
+    chain(proto, 'onConfigure', function (data) {
+      this.multiloraRows?.configure(data)
+    })
+    chain(proto, 'onSerialize', function (data) {
+      this.multiloraRows?.serialize(data)
+    })
+    chain(proto, 'onWidgetChanged', function (name) {
+      this.multiloraRows?.widgetChanged(name)
+    })
+    chain(proto, 'onConnectionsChange', function () {
+      this.multiloraRows?.connectionsChanged()
+    })
+    chain(proto, 'onRemoved', function () {
+      controllers.delete(this.multiloraRows)
+    })
+  },
+})

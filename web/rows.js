@@ -1,0 +1,166 @@
+/**
+ * The row model of the LoRAStackRows node. Pure: no DOM and no ComfyUI import, so that
+ * `node --test web/tests/` runs it.
+ *
+ * A row is {enabled, lora, strength_model, strength_clip}. Row i (1-based) lives in the node's
+ * declared inputs enabled_i, lora_i, strength_model_i and strength_clip_i (nodes/rows.py).
+ *
+ * A saved workflow holds the rows twice: LiteGraph's positional `widgets_values`, and, by name,
+ * a snapshot in `properties[SNAPSHOT_KEY]` = {v, single_strength, rows: [...]}. On load the
+ * snapshot wins, so a later version of the pack that declares more rows, or inputs in another
+ * order, still restores every row. A workflow without a snapshot (written by hand, by the API,
+ * or before the rows node existed) falls back to the widget values.
+ */
+
+export const NONE = 'None'
+export const FIELDS = Object.freeze(['enabled', 'lora', 'strength_model', 'strength_clip'])
+export const SNAPSHOT_KEY = 'multilora_rows'
+export const SNAPSHOT_VERSION = 1
+export const STRENGTH_MIN = -100
+export const STRENGTH_MAX = 100
+export const DEFAULT_ROW = Object.freeze({ enabled: true, lora: NONE, strength_model: 1, strength_clip: 1 })
+
+const NAME_RE = /^(enabled|lora|strength_model|strength_clip)_([1-9]\d*)$/
+
+export const inputName = (field, row) => `${field}_${row}`
+
+/** {field, row} for a row input's name, else null. */
+export function parseInputName(name) {
+  const m = NAME_RE.exec(String(name))
+  return m ? { field: m[1], row: Number(m[2]) } : null
+}
+
+export const defaultRow = () => ({ ...DEFAULT_ROW })
+
+/** How many complete rows a node declares, from its input names. */
+export function rowCapacity(names) {
+  const seen = new Map()
+  for (const name of names) {
+    const p = parseInputName(name)
+    if (p) seen.set(p.row, (seen.get(p.row) ?? 0) + 1)
+  }
+  let n = 0
+  while (seen.get(n + 1) === FIELDS.length) n++
+  return n
+}
+
+/** The row values that a node may hold: anything else becomes the default. */
+export function cleanRow(raw) {
+  const row = defaultRow()
+  if (!raw || typeof raw !== 'object') return row
+  if (typeof raw.enabled === 'boolean') row.enabled = raw.enabled
+  if (typeof raw.lora === 'string' && raw.lora.trim()) row.lora = raw.lora
+  for (const f of ['strength_model', 'strength_clip']) {
+    const v = raw[f]
+    if (typeof v === 'number' && Number.isFinite(v)) {
+      row[f] = Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, v))
+    }
+  }
+  return row
+}
+
+/** Rows 1..count, read through get(inputName). */
+export function readRows(get, count) {
+  const rows = []
+  for (let i = 1; i <= count; i++) {
+    const raw = {}
+    for (const f of FIELDS) raw[f] = get(inputName(f, i))
+    rows.push(cleanRow(raw))
+  }
+  return rows
+}
+
+/** {inputName: value} for rows 1..capacity: the given rows, then default rows. */
+export function rowValues(rows, capacity) {
+  const out = {}
+  for (let i = 1; i <= capacity; i++) {
+    const row = i <= rows.length ? cleanRow(rows[i - 1]) : defaultRow()
+    for (const f of FIELDS) out[inputName(f, i)] = row[f]
+  }
+  return out
+}
+
+/** Rows to show when there is no snapshot: up to the last row that names a LoRA or has a linked
+ * input, and at least one. */
+export function inferCount(get, capacity, isLinked = () => false) {
+  let count = 1
+  for (let i = 1; i <= capacity; i++) {
+    const lora = get(inputName('lora', i))
+    const used = typeof lora === 'string' && lora !== NONE && lora.trim() !== ''
+    if (used || FIELDS.some((f) => isLinked(inputName(f, i)))) count = i
+  }
+  return count
+}
+
+export function makeSnapshot(rows, singleStrength) {
+  return { v: SNAPSHOT_VERSION, single_strength: !!singleStrength, rows: rows.map(cleanRow) }
+}
+
+/** {rows, singleStrength, dropped} from a saved snapshot, or null when `snap` is not one.
+ * Unknown fields are ignored; missing or invalid ones take their defaults; rows beyond
+ * `capacity` are dropped and counted. A snapshot from a newer version is read the same way. */
+export function readSnapshot(snap, capacity) {
+  if (!snap || typeof snap !== 'object' || !Array.isArray(snap.rows)) return null
+  if (!Number.isInteger(snap.v) || snap.v < 1) return null
+  const rows = snap.rows.slice(0, Math.max(1, capacity)).map(cleanRow)
+  if (rows.length === 0) rows.push(defaultRow())
+  return {
+    rows,
+    singleStrength: snap.single_strength === true,
+    dropped: Math.max(0, snap.rows.length - rows.length),
+  }
+}
+
+// Row operations return an order: order[j] is the old 0-based index of new row j, or -1 for a
+// new default row. The same order moves the values and the links of converted inputs.
+
+export function orderAfterAdd(count) {
+  return [...Array(count).keys(), -1]
+}
+
+export function orderAfterRemove(count, at) {
+  const order = [...Array(count).keys()].filter((i) => i !== at)
+  return order.length ? order : [-1]
+}
+
+export function orderAfterMove(count, from, to) {
+  const order = [...Array(count).keys()]
+  if (from < 0 || from >= count || to < 0 || to >= count) return order
+  const [moved] = order.splice(from, 1)
+  order.splice(to, 0, moved)
+  return order
+}
+
+export function applyOrder(rows, order) {
+  return order.map((old) => (old < 0 ? defaultRow() : cleanRow(rows[old])))
+}
+
+/** Whether the API prompt carries this input: every row in use does, rows beyond `count` do not,
+ * and neither do clip strengths in single-strength mode (the server uses the model strength). */
+export function inPrompt(name, count, singleStrength) {
+  const p = parseInputName(name)
+  if (!p) return true
+  if (p.row > count) return false
+  return !(singleStrength && p.field === 'strength_clip')
+}
+
+/** The inputs that the rows put into the API prompt (the documented API format). */
+export function promptInputs(rows, singleStrength) {
+  const out = { single_strength: !!singleStrength }
+  rows.forEach((raw, j) => {
+    const row = cleanRow(raw)
+    for (const f of FIELDS) {
+      const name = inputName(f, j + 1)
+      if (inPrompt(name, rows.length, singleStrength)) out[name] = row[f]
+    }
+  })
+  return out
+}
+
+/** The (lora_name, strength_model, strength_clip) entries that the server builds from the rows. */
+export function stackEntries(rows, singleStrength) {
+  return rows
+    .map(cleanRow)
+    .filter((r) => r.enabled && r.lora !== NONE)
+    .map((r) => [r.lora, r.strength_model, singleStrength ? r.strength_model : r.strength_clip])
+}

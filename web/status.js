@@ -1,0 +1,104 @@
+/**
+ * What the node shows per row, from the pack's read-only routes. Pure: no DOM, no ComfyUI import.
+ *
+ * GET /multilora/status     {cache: {hits, misses, bytes, max_bytes, entries: [{name, ...}]},
+ *                            banks: [{model, slots: [{name, strength} | null]}],
+ *                            reports: [{adapter, model_layers, clip_layers, layers_in_file, partial, ...}]}
+ * GET /multilora/lora_info  {name, base_model, rank, ranks, triggers, ...} or {name, error}
+ */
+
+import { NONE } from './rows.js'
+
+/** {cached, slots: [{model, slot}], report} for one LoRA name, or null for an empty row. */
+export function rowStatus(status, name) {
+  if (!name || name === NONE) return null
+  const cached = (status?.cache?.entries ?? []).some((e) => e?.name === name)
+  const slots = []
+  for (const bank of status?.banks ?? []) {
+    ;(bank?.slots ?? []).forEach((s, i) => {
+      if (s?.name === name) slots.push({ model: String(bank.model ?? '?'), slot: i + 1 })
+    })
+  }
+  const matches = (status?.reports ?? []).filter((r) => r?.adapter === name)
+  const r = matches.length ? matches[matches.length - 1] : null
+  const report = r && {
+    model: r.model_layers | 0,
+    clip: r.clip_layers | 0,
+    inFile: r.layers_in_file | 0,
+    unmatched: (r.unmatched ?? []).length,
+    leftover: (r.leftover ?? []).length,
+    partial: !!r.partial,
+  }
+  return { cached, slots, report }
+}
+
+/** Badges for a row: [{kind, text, title}], where kind is slot | cached | idle | layers | partial. */
+export function badges(rs) {
+  if (!rs) return []
+  const out = []
+  if (rs.slots.length) {
+    const where = rs.slots.map((s) => `slot ${s.slot} of ${s.model}`).join(', ')
+    out.push({ kind: 'slot', text: 'in slot', title: `Resident on the compute device: ${where}` })
+  } else if (rs.cached) {
+    out.push({ kind: 'cached', text: 'cached', title: 'Parsed and held in the process-wide cache' })
+  } else {
+    out.push({ kind: 'idle', text: 'not loaded', title: 'Not in the cache yet: it is read when the graph runs' })
+  }
+  const r = rs.report
+  if (r) {
+    const matched = r.model + r.clip
+    out.push({
+      kind: 'layers',
+      text: `${matched}/${r.inFile} layers`,
+      title: `${r.model} model + ${r.clip} text-encoder layers matched, of ${r.inFile} in the file`,
+    })
+    if (r.partial) {
+      const why = []
+      if (r.unmatched) why.push(`${r.unmatched} layers match no layer of the model`)
+      if (r.leftover) why.push(`${r.leftover} keys no parser understood`)
+      out.push({ kind: 'partial', text: '⚠ partial', title: `Partial match: ${why.join('; ') || 'see the log'}` })
+    }
+  }
+  return out
+}
+
+/** One line about the selected LoRA's file, and a longer tooltip. */
+export function metaText(info) {
+  if (!info) return { line: '', title: '' }
+  if (info.error) return { line: `⚠ ${info.error}`, title: info.error, error: true }
+  const parts = []
+  if (info.base_model) parts.push(info.base_model + (info.base_model_source === 'keys' ? '?' : ''))
+  if (info.rank != null) {
+    const ranks = info.ranks ?? []
+    parts.push(ranks.length > 1 ? `rank ${ranks[0]}–${ranks[ranks.length - 1]}` : `rank ${info.rank}`)
+  }
+  const triggers = info.triggers ?? []
+  if (triggers.length) parts.push(`triggers: ${triggers.join(', ')}`)
+  const title = [
+    info.title && `title: ${info.title}`,
+    `base model: ${info.base_model ?? 'unknown'}${info.base_model_source === 'keys' ? ' (guessed from the keys)' : ''}`,
+    `rank: ${info.rank ?? 'unknown'}${info.alpha ? `, alpha ${info.alpha}` : ''}`,
+    triggers.length && `trigger words: ${triggers.join(', ')}`,
+  ].filter(Boolean).join('\n')
+  return { line: parts.join(' · ') || 'no metadata', title }
+}
+
+export function formatBytes(n) {
+  if (!Number.isFinite(n) || n < 0) return '?'
+  const units = ['B', 'KB', 'MB', 'GB', 'TB']
+  let i = 0
+  while (n >= 1024 && i < units.length - 1) {
+    n /= 1024
+    i++
+  }
+  return `${i === 0 ? n : n.toFixed(1)} ${units[i]}`
+}
+
+/** The cache's counters in one line. */
+export function cacheLine(status) {
+  const c = status?.cache
+  if (!c) return ''
+  const items = c.items ?? (c.entries ?? []).length
+  return `cache: ${items} LoRA${items === 1 ? '' : 's'}, ${formatBytes(c.bytes)} of ${formatBytes(c.max_bytes)}` +
+    ` · ${c.hits | 0} hits, ${c.misses | 0} misses`
+}

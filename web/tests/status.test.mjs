@@ -1,0 +1,68 @@
+import assert from 'node:assert/strict'
+import { test } from 'node:test'
+
+import { badges, cacheLine, formatBytes, metaText, rowStatus } from '../status.js'
+
+// The shape of GET /multilora/status (nodes/routes.py), trimmed to what the node reads.
+const STATUS = {
+  cache: {
+    hits: 5, misses: 3, evictions: 0, items: 2, bytes: 3 * 1024 * 1024, max_items: 32, max_bytes: 4 * 1024 ** 3,
+    entries: [{ name: 'a.safetensors', fingerprint: 'fa' }, { name: 'b.safetensors', fingerprint: 'fb' }],
+  },
+  banks: [
+    { model: 'BaseModel', slots: [{ name: 'a.safetensors', strength: 0.8 }, null] },
+    { model: 'SD1ClipModel (text encoder)', slots: [null, { name: 'a.safetensors', strength: 0.5 }] },
+  ],
+  reports: [
+    { adapter: 'a.safetensors', model_layers: 10, clip_layers: 2, layers_in_file: 12, unmatched: [], leftover: [],
+      partial: false },
+    { adapter: 'b.safetensors', model_layers: 7, clip_layers: 0, layers_in_file: 9, unmatched: ['x', 'y'],
+      leftover: ['z'], partial: true },
+  ],
+}
+
+test('rowStatus: slots, cache and the match report of one LoRA', () => {
+  assert.deepEqual(rowStatus(STATUS, 'a.safetensors'), {
+    cached: true,
+    slots: [{ model: 'BaseModel', slot: 1 }, { model: 'SD1ClipModel (text encoder)', slot: 2 }],
+    report: { model: 10, clip: 2, inFile: 12, unmatched: 0, leftover: 0, partial: false },
+  })
+  assert.deepEqual(rowStatus(STATUS, 'c.safetensors'), { cached: false, slots: [], report: null })
+  assert.equal(rowStatus(STATUS, 'None'), null)
+  assert.equal(rowStatus(STATUS, ''), null)
+  assert.deepEqual(rowStatus(null, 'a.safetensors'), { cached: false, slots: [], report: null })
+})
+
+test('badges: residence first, then layers, then a warning for a partial match', () => {
+  const kinds = (name) => badges(rowStatus(STATUS, name)).map((b) => b.kind)
+  assert.deepEqual(kinds('a.safetensors'), ['slot', 'layers'])
+  assert.deepEqual(kinds('b.safetensors'), ['cached', 'layers', 'partial'])
+  assert.deepEqual(kinds('c.safetensors'), ['idle'])
+  const [, layers, partial] = badges(rowStatus(STATUS, 'b.safetensors'))
+  assert.equal(layers.text, '7/9 layers')
+  assert.match(partial.title, /2 layers match no layer/)
+  assert.match(partial.title, /1 keys no parser/)
+  assert.deepEqual(badges(null), [])
+})
+
+test('metaText: family, rank and triggers in one line', () => {
+  const info = { name: 'a', base_model: 'SD1.x', base_model_source: 'metadata', rank: 8, ranks: [8],
+    triggers: ['sks dog', 'grass'], alpha: '4', title: 'A' }
+  assert.equal(metaText(info).line, 'SD1.x · rank 8 · triggers: sks dog, grass')
+  assert.match(metaText(info).title, /alpha 4/)
+  assert.equal(metaText({ base_model: 'SDXL', base_model_source: 'keys', rank: 16, ranks: [4, 16], triggers: [] }).line,
+    'SDXL? · rank 4–16')
+  assert.equal(metaText({ rank: null, ranks: [], triggers: [] }).line, 'no metadata')
+  const err = metaText({ name: 'x', error: 'refused' })
+  assert.equal(err.error, true)
+  assert.match(err.line, /refused/)
+  assert.deepEqual(metaText(null), { line: '', title: '' })
+})
+
+test('cache line and byte formatting', () => {
+  assert.equal(formatBytes(512), '512 B')
+  assert.equal(formatBytes(1536), '1.5 KB')
+  assert.equal(formatBytes(-1), '?')
+  assert.equal(cacheLine(STATUS), 'cache: 2 LoRAs, 3.0 MB of 4.0 GB · 5 hits, 3 misses')
+  assert.equal(cacheLine(null), '')
+})
