@@ -53,6 +53,10 @@ class Geometry:
 class Piece:
     patch: LayerPatch
     out_slice: tuple[int, int] | None
+    rows: tuple[int, ...] | None = None  # a host's reordering of the delta's output rows
+
+    def order(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.rows is None else t[list(self.rows)]
 
 
 @dataclass
@@ -84,7 +88,7 @@ class ModulePlan:
             w = p.patch.weight
             a[at:at + w.rank] = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
             start, size = p.out_slice or (0, g.out_features)
-            b[start:start + size, at:at + w.rank] = w.scaled_up().to(dtype)
+            b[start:start + size, at:at + w.rank] = p.order(w.scaled_up()).to(dtype)
             at += w.rank
         if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
             raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
@@ -101,6 +105,8 @@ class ModulePlan:
             base = None
             if base_weight is not None and p.patch.dora_scale is not None:
                 base = base_weight.reshape(g.weight_shape)[start:start + size]
+                if p.rows is not None:  # in the file's row order, like the delta it combines with
+                    base = base[torch.argsort(torch.tensor(p.rows))]
             try:
                 d = p.patch.dense_delta(shape, base)
             except (RuntimeError, IndexError) as e:
@@ -110,7 +116,7 @@ class ModulePlan:
                 continue
             if total is None:
                 total = torch.zeros(g.weight_shape, dtype=torch.float32)
-            total[start:start + size] += d
+            total[start:start + size] += p.order(d)
         return total
 
     def bias(self) -> torch.Tensor | None:
@@ -122,7 +128,7 @@ class ModulePlan:
             start, size = p.out_slice or (0, g.out_features)
             if total is None:
                 total = torch.zeros(g.out_features, dtype=torch.float32)
-            total[start:start + size] += p.patch.bias.float().reshape(-1)
+            total[start:start + size] += p.order(p.patch.bias.float().reshape(-1))
         return total
 
 
@@ -185,7 +191,7 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         if plan is None:
             plan = plans[target.module] = ModulePlan(target.module, module, Geometry.of(module), path=adapter.path)
         _check(adapter, plan, patch, target.out_slice)
-        plan.pieces.append(Piece(patch, target.out_slice))
+        plan.pieces.append(Piece(patch, target.out_slice, target.rows))
     if not plans:
         raise LoRANoMatchError(f"the adapter matches no layer of {model_name} ({len(adapter.layers)} layer keys, "
                                f"e.g. {', '.join(list(adapter.layers)[:3])})", path=adapter.path,

@@ -8,6 +8,9 @@ while the prompt worker loads).
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -16,6 +19,11 @@ from .adapter import Adapter, Converter, FileIdentity, load_adapter
 
 DEFAULT_MAX_ITEMS = 16
 DEFAULT_MAX_BYTES = 4 * 1024**3
+# Read once, when the process-wide cache is first created: a server's budget without code changes.
+ENV_MAX_ITEMS = "MULTILORA_CACHE_MAX_ITEMS"
+ENV_MAX_BYTES = "MULTILORA_CACHE_MAX_BYTES"
+
+log = logging.getLogger("lora_engine")
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,12 @@ class AdapterCache:
             return [{"name": a.name, "path": a.path, "bytes": a.nbytes, "fingerprint": a.fingerprint,
                      "formats": list(a.formats), "layers": len(a.layers)} for a in self._items.values()]
 
+    def snapshot(self) -> dict:
+        """`stats()` and `entries()` read under one lock, so that a reader on another thread sees counters
+        and entries that agree (bytes equals the sum of the entries' bytes)."""
+        with self._lock:
+            return {**self.stats().as_dict(), "entries": self.entries()}
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
@@ -103,9 +117,28 @@ _default_lock = threading.Lock()
 
 
 def default_cache() -> AdapterCache:
-    """The cache shared by every model and node in this process."""
+    """The cache shared by every model and node in this process. Its bounds come from
+    $MULTILORA_CACHE_MAX_ITEMS and $MULTILORA_CACHE_MAX_BYTES (an integer, or with a K, M or G suffix
+    in powers of 1024) when they are set as it is created, else the defaults."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = AdapterCache()
+            _default = AdapterCache(max_items=_env_size(ENV_MAX_ITEMS, DEFAULT_MAX_ITEMS, minimum=1),
+                                    max_bytes=_env_size(ENV_MAX_BYTES, DEFAULT_MAX_BYTES, minimum=0))
         return _default
+
+
+_SIZE = re.compile(r"(\d+)\s*([kmg]i?b?)?", re.IGNORECASE)
+
+
+def _env_size(name: str, default: int, *, minimum: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    m = _SIZE.fullmatch(raw)
+    if m is None:
+        log.warning("[MultiLoRA] ignoring %s=%r: expected an integer, optionally with a K, M or G suffix; "
+                    "using %d", name, raw, default)
+        return default
+    unit = (m.group(2) or " ")[0].lower()
+    return max(minimum, int(m.group(1)) * {" ": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[unit])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -25,6 +26,7 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_", "lora_te1_", "lora_te2_", "
 class Target:
     module: str
     out_slice: tuple[int, int] | None = None  # (start, size) along the output dimension
+    rows: tuple[int, ...] | None = None  # output row i of the patch comes from row rows[i] of the file's delta
 
 
 class KeyMap:
@@ -32,12 +34,12 @@ class KeyMap:
                  defaults: bool = True, module_prefix: str = ""):
         self.root = root
         self.module_prefix = module_prefix
-        self._explicit: dict[str, Target | None] = {}
-        for prefix, value in (mapping or {}).items():
-            self._explicit[prefix] = self._normalise(value)
         self._defaults = defaults
         self._modules: dict[str, nn.Module] | None = None
         self._underscore: dict[str, str] | None = None
+        self._explicit: dict[str, Target | None] = {}
+        for prefix, value in (mapping or {}).items():
+            self._explicit[prefix] = self._normalise(value)
 
     @property
     def modules(self) -> dict[str, nn.Module]:
@@ -46,19 +48,38 @@ class KeyMap:
         return self._modules
 
     def _normalise(self, value: object) -> Target | None:
-        out_slice = None
+        """A host value: a weight key, or (key, offset) / (key, offset, function) as ComfyUI writes them.
+        offset is None or (dim, start, size); function reorders the delta's output rows (Flux's
+        swap_scale_shift), and is kept as that permutation. Anything else cannot be applied exactly."""
+        out_slice, rows = None, None
         if isinstance(value, tuple):
-            value, spec = value[0], value[1]
-            dim, start, size = spec
-            if dim != 0:
+            if not value or len(value) > 3:
                 return None
-            out_slice = (int(start), int(size))
+            spec = value[1] if len(value) > 1 else None
+            function = value[2] if len(value) > 2 else None
+            value = value[0]
+            if spec is not None:
+                try:
+                    dim, start, size = spec
+                except (TypeError, ValueError):
+                    return None
+                if dim != 0:
+                    return None
+                out_slice = (int(start), int(size))
+            if function is not None:
+                rows = ("probe", function)
         name = str(value)
         if name.endswith(".weight"):
             name = name[: -len(".weight")]
         if self.module_prefix and name.startswith(self.module_prefix):
             name = name[len(self.module_prefix):]
-        return Target(name, out_slice)
+        if rows is not None:
+            module = self.modules.get(name)
+            size = out_slice[1] if out_slice else getattr(module, "out_features", getattr(module, "out_channels", 0))
+            rows = _row_permutation(rows[1], size)
+            if rows is None:
+                return None
+        return Target(name, out_slice, rows)
 
     def resolve(self, prefix: str) -> Target | None:
         target = self._explicit.get(prefix)
@@ -97,3 +118,20 @@ def _dotted_candidates(prefix: str) -> list[str]:
                 out.append(key)
                 changed = True
     return out
+
+
+def _row_permutation(function, size: int) -> tuple[int, ...] | None:
+    """The permutation `function` applies to a delta's rows, or None when it does something else."""
+    if not size:
+        return None
+    probe = torch.arange(size, dtype=torch.float64).reshape(size, 1)
+    try:
+        out = function(probe)
+    except Exception:  # a host function that does not take a plain tensor: not a row permutation
+        return None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (size, 1):
+        return None
+    rows = out.reshape(-1).round().long()
+    if not torch.equal(torch.sort(rows).values, torch.arange(size)):
+        return None
+    return tuple(rows.tolist())

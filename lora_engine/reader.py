@@ -107,7 +107,7 @@ def _tensor_info(path: str, key: str, info: object, data_len: int) -> TensorInfo
     if not isinstance(info, dict):
         raise LoRAFileError("tensor entry is not an object", path=path, key=key)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list or an object is unhashable
         raise LoRAFileError(f"unknown dtype {dtype!r}", path=path, key=key,
                             remedy="re-save the file with a supported dtype (F32, F16, BF16, F8)")
     if (not isinstance(shape, list) or len(shape) > MAX_DIMS

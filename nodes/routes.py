@@ -7,19 +7,32 @@ import asyncio
 from aiohttp import web
 
 from lora_engine import LoRAError, all_banks, default_cache, read_header
+from lora_engine.slots import LayerSlots
 
 from . import bridge
 from .lora_info import describe as describe_lora
 
 
 def status() -> dict:
-    cache = default_cache()
     return {
-        "cache": {**cache.stats().as_dict(), "entries": cache.entries()},
+        "cache": default_cache().snapshot(),  # counters and entries under one lock
         "banks": [b.occupancy() for b in all_banks()],
         "reports": bridge.reports(),
         "loaded_models": bridge.loaded_models(),
+        "hooks": hooks(),
     }
+
+
+def hooks() -> dict:
+    """The engine's forward hooks counted on the modules themselves, against the layers the banks hold:
+    a hook left behind by a released or rebuilt bank shows as `forward_hooks` > `layers`."""
+    out = {"layers": 0, "forward_hooks": 0}
+    for bank in all_banks():
+        with bank.lock:  # activation adds a layer and its hook under this lock
+            out["layers"] += len(bank.layers)
+            out["forward_hooks"] += sum(1 for m in bank.root.modules() for h in list(m._forward_hooks.values())
+                                        if isinstance(getattr(h, "__self__", None), LayerSlots))
+    return out
 
 
 routes = bridge.server_routes()

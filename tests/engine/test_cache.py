@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from lora_engine import AdapterCache, default_cache
+from lora_engine import cache as cache_mod
 
 from . import lora_files as lf
 
@@ -107,3 +108,47 @@ def test_concurrent_loads_and_stats(files):
 
 def test_default_cache_is_one_per_process():
     assert default_cache() is default_cache()
+
+
+def test_snapshot_counters_agree_with_entries_under_concurrent_loads(files):
+    """What GET /multilora/status returns: read from another thread while loads evict, bytes always
+    equals the sum of the entries' bytes."""
+    cache = AdapterCache(max_items=2)
+    done = threading.Event()
+    errors = []
+
+    def loader():
+        try:
+            for j in range(40):
+                cache.load(files[j % len(files)])
+        except Exception as e:  # collected and re-raised in the main thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=loader)
+    t.start()
+    reads = 0
+    while not done.is_set() and reads < 100_000:
+        snap = cache.snapshot()
+        assert snap["bytes"] == sum(e["bytes"] for e in snap["entries"]) and snap["items"] == len(snap["entries"])
+        reads += 1
+    t.join(timeout=60)
+    assert not errors and reads
+
+
+@pytest.mark.parametrize("items,nbytes,want", [
+    ("3", "5M", (3, 5 * 1024**2)),
+    ("0", "1024", (1, 1024)),                         # at least one item
+    ("many", "2 GiB", (cache_mod.DEFAULT_MAX_ITEMS, 2 * 1024**3)),  # an unreadable value keeps the default
+    (None, None, (cache_mod.DEFAULT_MAX_ITEMS, cache_mod.DEFAULT_MAX_BYTES)),
+])
+def test_default_cache_budget_from_the_environment(monkeypatch, items, nbytes, want):
+    for name, value in ((cache_mod.ENV_MAX_ITEMS, items), (cache_mod.ENV_MAX_BYTES, nbytes)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cache_mod, "_default", None)  # as in a fresh process; restored afterwards
+    s = default_cache().stats()
+    assert (s.max_items, s.max_bytes) == want

@@ -282,3 +282,37 @@ def test_conv1d_conv3d_and_a_casting_fp8_layer(tmp_path, layout):
     assert model.q.weight.dtype == torch.float8_e4m3fn  # the runtime never touched the fp8 weight
     assert (expected - base).abs().max() > 1e-2
     assert (got - expected).abs().max() <= 1e-4
+
+
+def _swap_halves(w):
+    shift, scale = w.chunk(2, dim=0)
+    return torch.cat([scale, shift], dim=0)
+
+
+@pytest.mark.parametrize("layout", ["peft", "diff"])
+def test_host_mapping_with_a_row_reordering_function(tmp_path, layout):
+    """ComfyUI maps Flux's norm_out.linear as (key, None, swap_scale_shift): the delta's halves swap."""
+    from lora_engine import KeyMap
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8)).eval()
+    g = torch.Generator().manual_seed(4)
+    if layout == "peft":
+        t = {"transformer.norm_out.linear.lora_A.weight": torch.randn(2, 6, generator=g),
+             "transformer.norm_out.linear.lora_B.weight": torch.randn(8, 2, generator=g)}
+        delta = t["transformer.norm_out.linear.lora_B.weight"] @ t["transformer.norm_out.linear.lora_A.weight"]
+    else:
+        t = {"transformer.norm_out.linear.diff": torch.randn(8, 6, generator=g)}
+        delta = t["transformer.norm_out.linear.diff"]
+    adapter = load_adapter(lf.write(tmp_path, "swap.safetensors", t))
+    mapping = {"transformer.norm_out.linear": ("0.weight", None, _swap_halves),
+               "transformer.other": ("0.weight", None, lambda w: w * 2)}  # not a reordering: not applied
+    keymap = KeyMap(model, mapping, defaults=False)
+    assert keymap.resolve("transformer.other") is None
+    x = torch.randn(3, 6, generator=g)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x, model[0].weight + 0.7 * _swap_halves(delta), model[0].bias)
+        bank = SlotBank(model, keymap=keymap)
+        bank.activate([(adapter, 0.7)])
+        got = model(x)
+    assert bank.report(adapter).runtime_path == ("low-rank" if layout == "peft" else "dense")
+    assert (got - expected).abs().max() <= TOL

@@ -1,0 +1,569 @@
+"""Side by side in one process: our slot engine against ComfyUI's fused and bypass LoRA paths.
+
+Run it with the ComfyUI python (it imports ComfyUI's own classes in-process; nothing is mocked):
+
+    ~/comfy/ComfyUI/.venv/bin/python bench/compare.py                  # CPU, scaled-down Flux
+    python3 bench/compare.py --comfy .comfy --device cuda --dtype bf16 --full   # Flux-dev shape (GPU)
+
+The model is ComfyUI's Flux (comfy.model_base.Flux around comfy.ldm.flux.model.Flux, built from a
+supported_models.Flux config) with random weights, wrapped in a ModelPatcher. On the CPU it is
+scaled down (hidden 3072 / 24 heads as Flux-dev, 1 double + 1 single block by default); --full
+builds Flux-dev's 19 double + 38 single blocks (11.9 B parameters). For k = 1, 2, 4, 8 synthetic
+rank-32 LoRAs with kohya keys from comfy.lora.model_lora_keys_unet on that model (every Linear of
+every block), it measures:
+
+  ours    lora_engine.SlotBank with ComfyUI's key map (as nodes/bridge.py builds it):
+          step      a forward of the diffusion model with the bank active
+          strength  bank.set_strength (the engine's cost of a slider move)
+          strength† the same move the way ComfyUI runs it: MultiLoRALoader's apply_stack (new clone)
+                    + load_models_gpu (eject the old clone, inject the new: re-activation)
+          first     a fresh bank activating k adapters from the engine's warm cache
+          memory    slot bytes on the device (no weight backups exist)
+  fused   LoraLoader's path: comfy.sd.load_lora_for_models per LoRA (state dicts already read, as
+          the node caches them), then comfy.model_management.load_models_gpu, which patches
+          W + s*dW into the weights (ModelPatcher.patch_model) the way sampling does:
+          step      a forward with the patched weights
+          strength  the last LoRA re-applied at another strength (its node re-runs: a new clone) +
+                    load_models_gpu: unpatch (restore every backup) and patch again
+          first     the chain of k clones + load_models_gpu from the loaded base model
+          memory    bytes of the weight backups ModelPatcher keeps (patcher.backup)
+  bypass  LoraLoaderBypass's path: comfy.sd.load_bypass_lora_for_models + load_models_gpu, which
+          injects ComfyUI's BypassForwardHook per layer (adapter weights moved to the device):
+          step, strength, first as for fused; memory: adapter bytes moved to the device.
+          k > 1: a stock chain of LoraLoaderBypass nodes keeps only its last LoRA (each node
+          replaces the "bypass_lora" injection list), so here each LoRA's own injection from
+          load_bypass_lora_for_models is composed into one (injected in order, ejected in
+          reverse): what a working chain costs.
+
+Steps: ours and bypass alternate forwards without and with the adapters (bank.deactivate/activate,
+ModelPatcher.eject_model/inject_model), --repeat pairs, and "step vs base" is the median of the
+per-pair ratios, so load from other jobs moves both sides of each ratio; fused weights cannot be
+toggled, so its base is measured just before patching. Strength changes: median of --repeat
+(set_strength: of 50). First application: median of --repeat-apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import importlib.util
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RANK = 32
+
+
+# -- ComfyUI in-process ------------------------------------------------------------------------------
+
+def find_comfy(arg: str | None) -> Path:
+    cands = [arg, os.environ.get("COMFYUI_PATH"), "~/comfy/ComfyUI", str(ROOT / ".comfy")]
+    for c in cands:
+        if c and (Path(c).expanduser() / "comfy" / "sd.py").is_file():
+            return Path(c).expanduser().resolve()
+    sys.exit("ComfyUI not found: pass --comfy PATH (a checkout, or the copy made as bench/README.md says), "
+             f"or set COMFYUI_PATH; looked at {[c for c in cands if c]}")
+
+
+def import_comfy(root: Path, device: str):
+    """Import ComfyUI's modules with --cpu semantics (or the classic, non-dynamic loader on a GPU)."""
+    if importlib.util.find_spec("torchaudio") is None:
+        # ComfyUI 0.28 imports torchaudio on the `import comfy.sd` path; tools/comfy_server.py's stub
+        # (import works, any use raises) is put on sys.path, as the server harness does.
+        from tools.comfy_server import _TORCHAUDIO_STUB
+        shim = Path(tempfile.mkdtemp(prefix="multilora-shims-"))
+        atexit.register(shutil.rmtree, shim, True)
+        (shim / "torchaudio").mkdir()
+        (shim / "torchaudio" / "__init__.py").write_text(_TORCHAUDIO_STUB)
+        sys.path.insert(0, str(shim))
+    sys.path.insert(0, str(root))
+    from comfy.cli_args import args
+    if device == "cpu":
+        args.cpu = True
+    else:
+        # The estimate-based loader: ModelPatcher.patch_model with weight backups (ComfyUI's
+        # dynamic-VRAM loader, default on CUDA since 0.2x, patches at op time instead).
+        args.disable_dynamic_vram = True
+    import comfy.lora  # after args.cpu: comfy.model_management reads it at import, as under main.py
+    import comfy.lora_convert
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.patcher_extension
+    import comfy.sd
+    import comfy.utils
+    import comfy.weight_adapter
+    return comfy
+
+
+def import_bridge():
+    """nodes/bridge.py under another name: ComfyUI's own `nodes` module takes the name `nodes`."""
+    spec = importlib.util.spec_from_file_location("multilora_bridge", ROOT / "nodes" / "bridge.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# -- model and LoRAs ---------------------------------------------------------------------------------
+
+def build_flux(comfy, torch, hidden: int, depth: int, single: int, dtype, device):
+    heads = hidden // 128
+    unet_config = {
+        "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768,
+        "context_in_dim": 4096, "hidden_size": hidden, "mlp_ratio": 4.0, "num_heads": heads,
+        "depth": depth, "depth_single_blocks": single, "axes_dim": [16, 56, 56], "theta": 10000,
+        "patch_size": 2, "qkv_bias": True, "guidance_embed": True, "txt_ids_dims": [],
+    }
+    config = comfy.model_detection.model_config_from_unet_config(unet_config)
+    assert config is not None and type(config).__name__ == "Flux", config
+    config.set_inference_dtype(dtype, None)
+    model = config.get_model({}, "", device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():  # ComfyUI's ops skip weight init: give every tensor finite values
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            elif "norm" in name or name.endswith("scale"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    mm = comfy.model_management
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                               offload_device=mm.unet_offload_device())
+    return patcher
+
+
+def lora_targets(comfy, torch, root) -> list[tuple[str, int, int]]:
+    """(kohya prefix, in, out) for every Linear of every block, checked against ComfyUI's key map."""
+    keymap = comfy.lora.model_lora_keys_unet(root, {})
+    out = []
+    for name, m in root.named_modules():
+        if isinstance(m, torch.nn.Linear) and (".double_blocks." in name or ".single_blocks." in name):
+            prefix = "lora_unet_" + name[len("diffusion_model."):].replace(".", "_")
+            if keymap.get(prefix) != name + ".weight":
+                raise RuntimeError(f"{prefix} is not in comfy.lora.model_lora_keys_unet's map as {name}.weight")
+            out.append((prefix, m.in_features, m.out_features))
+    return out
+
+
+def write_loras(torch, targets, n: int, rank: int, folder: str) -> list[str]:
+    from safetensors.torch import save_file
+    paths = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(1000 + i)
+        t = {}
+        for prefix, fin, fout in targets:
+            t[prefix + ".lora_down.weight"] = (torch.randn(rank, fin, generator=g) * 0.02).to(torch.bfloat16)
+            t[prefix + ".lora_up.weight"] = (torch.randn(fout, rank, generator=g) * 0.02).to(torch.bfloat16)
+            t[prefix + ".alpha"] = torch.tensor(float(rank))
+        path = os.path.join(folder, f"flux_lora_{i}.safetensors")
+        save_file(t, path)
+        paths.append(path)
+    return paths
+
+
+# -- timing ------------------------------------------------------------------------------------------
+
+class Timer:
+    def __init__(self, torch, device):
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def once(self, fn) -> float:
+        return self.both(fn)[0]
+
+    def both(self, fn) -> tuple[float, float]:
+        """(wall seconds, this process's CPU seconds) of one call."""
+        self.sync()
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def median(self, fn, repeat: int, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
+        return statistics.median(self.once(fn) for _ in range(repeat))
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    la = os.getloadavg()
+    return (f"{time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} cores, "
+            f"load average {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} (1 / 5 / 15 min)")
+
+
+def tensor_bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+# -- the benchmark -----------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--comfy", help="ComfyUI folder (a checkout or a copy of comfy/ + folder_paths.py + "
+                    "node_helpers.py); default $COMFYUI_PATH, else ~/comfy/ComfyUI, else ./.comfy")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--full", action="store_true", help="Flux-dev shape: 19 double + 38 single blocks, "
+                    "1024x1024 (4096 image + 512 text tokens) unless --tokens/--txt-tokens say otherwise")
+    ap.add_argument("--hidden", type=int, default=3072, help="hidden size (heads = hidden / 128); default 3072")
+    ap.add_argument("--depth", type=int, default=None, help="double blocks (default 1; 19 with --full)")
+    ap.add_argument("--single-depth", type=int, default=None, help="single blocks (default 1; 38 with --full)")
+    ap.add_argument("--tokens", type=int, default=None, help="image tokens, a square number (default 16; "
+                    "4096 with --full)")
+    ap.add_argument("--txt-tokens", type=int, default=None, help="text tokens (default 8; 512 with --full)")
+    ap.add_argument("--rank", type=int, default=RANK)
+    ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed step pairs (base, with adapters) and strength changes per cell; medians (default 3)")
+    ap.add_argument("--repeat-apply", type=int, default=2, help="timed first applications per cell (median; default 2)")
+    ap.add_argument("--paths", default="ours,fused,bypass")
+    args = ap.parse_args()
+    depth = args.depth if args.depth is not None else (19 if args.full else 1)
+    single = args.single_depth if args.single_depth is not None else (38 if args.full else 1)
+    tokens = args.tokens if args.tokens is not None else (4096 if args.full else 16)
+    txt_tokens = args.txt_tokens if args.txt_tokens is not None else (512 if args.full else 8)
+    side = math.isqrt(tokens)
+    if side * side != tokens:
+        ap.error("--tokens must be a square number")
+    ks = [int(k) for k in args.ks.split(",")]
+    paths = set(args.paths.split(","))
+    t_start = time.monotonic()
+
+    root_dir = find_comfy(args.comfy)
+    comfy = import_comfy(root_dir, args.device)
+    import torch
+    mm = comfy.model_management
+    from lora_engine import AdapterCache, KeyMap, SlotBank
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    device = mm.get_torch_device()
+    if args.device == "cuda" and device.type != "cuda":
+        sys.exit(f"--device cuda, but ComfyUI picked {device}")
+    timer = Timer(torch, device)
+    try:
+        import comfyui_version
+        comfy_version = comfyui_version.__version__
+    except ImportError:
+        comfy_version = "?"
+
+    print(f"machine: {machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    base = build_flux(comfy, torch, args.hidden, depth, single, dtype, device)
+    root = base.model
+    n_params = sum(p.numel() for p in root.parameters())
+    targets = lora_targets(comfy, torch, root)
+    print(f"ComfyUI {comfy_version} at {root_dir}; model: comfy.ldm.flux.model.Flux, hidden {args.hidden}, "
+          f"{args.hidden // 128} heads, {depth} double + {single} single blocks, {n_params / 1e9:.2f} B params, "
+          f"{args.dtype} on {device}; step: {tokens} image + {txt_tokens} text tokens")
+    tmp = tempfile.mkdtemp(prefix="multilora-compare-")
+    atexit.register(shutil.rmtree, tmp, True)
+    lora_paths = write_loras(torch, targets, max(ks), args.rank, tmp)
+    lora_mb = os.path.getsize(lora_paths[0]) / 2**20
+    print(f"LoRAs: {max(ks)} synthetic, rank {args.rank}, kohya keys on all {len(targets)} block Linears, "
+          f"{lora_mb:.1f} MB each (bf16)")
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, 16, 2 * side, 2 * side, generator=gen, device=device).to(dtype)
+    context = torch.randn(1, txt_tokens, 4096, generator=gen, device=device).to(dtype)
+    y = torch.randn(1, 768, generator=gen, device=device).to(dtype)
+    t = torch.full((1,), 0.5, device=device)
+    guidance = torch.full((1,), 3.5, device=device)
+
+    def step():
+        with torch.inference_mode():
+            return root.diffusion_model(x, t, context, y=y, guidance=guidance)
+
+    def paired(off, on, repeat):
+        """Forwards alternating without and with the adapters (order flipped every pair): medians of each
+        and of the per-pair ratio, so that load from other jobs moves both sides of each ratio."""
+        off(), step(), on(), step()  # warm-up
+        bases, steps, ratios, cpu_ratios = [], [], [], []
+        for i in range(repeat):
+            got = {}
+            for phase in ((off, on) if i % 2 == 0 else (on, off)):
+                phase()
+                got[phase is on] = timer.both(step)
+            bases.append(got[False][0])
+            steps.append(got[True][0])
+            ratios.append(got[True][0] / got[False][0])
+            cpu_ratios.append(got[True][1] / got[False][1])
+        on()
+        return (statistics.median(bases), statistics.median(steps), statistics.median(ratios),
+                statistics.median(cpu_ratios))
+
+    def cpu_median(repeat):
+        return statistics.median(timer.both(step)[1] for _ in range(repeat))
+
+    # What LoraLoader / LoraLoaderBypass hold after their first run: the state dicts, read once.
+    lora_sds = [comfy.utils.load_torch_file(p, safe_load=True) for p in lora_paths]
+    # Our engine's process-wide cache, warm: the files are parsed once, as MultiLoRALoader does.
+    cache = AdapterCache(max_items=max(ks) + 1, max_bytes=1 << 40)
+    adapters = [cache.load(p, name=os.path.basename(p), convert=comfy.lora_convert.convert_lora,
+                           convert_id="comfy") for p in lora_paths]
+    full_map = comfy.lora.model_lora_keys_unet(root, {})
+    try:
+        keymap = KeyMap(root, full_map, defaults=False)
+    except TypeError as e:
+        # ComfyUI maps Flux's diffusers `norm_out.linear` as (key, None, swap_scale_shift): a whole weight
+        # with a transform. lora_engine.KeyMap unpacks every tuple's second item as a slice and raises.
+        dropped = sorted(k for k, v in full_map.items() if isinstance(v, tuple) and (len(v) < 2 or v[1] is None))
+        keymap = KeyMap(root, {k: v for k, v in full_map.items() if k not in dropped}, defaults=False)
+        print(f"WARNING: lora_engine.KeyMap raises on ComfyUI's Flux key map ({e}); nodes/bridge.py builds that "
+              f"map for every Flux model, so MultiLoRALoader fails there. Measured here with the {len(dropped)} "
+              f"(key, None, function) entries left out ({', '.join(dropped[:2])}, ...): none is a block Linear.")
+    bridge = import_bridge() if "ours" in paths else None
+    if bridge is not None:
+        root.__dict__["_multilora_keymap"] = keymap  # what bridge._keymap caches per model; see the warning
+
+    def reset():
+        """Unload everything (restores fused weights, ejects injections), then load the bare base model."""
+        mm.unload_all_models()
+        gc.collect()
+        mm.soft_empty_cache()
+        mm.load_models_gpu([base])
+
+    reset()
+    print(f"machine before measuring: {machine_line()}\n", flush=True)
+    rows: dict[int, dict[str, float]] = {}
+    for k in ks:
+        r: dict[str, float] = {}
+        ones = [1.0] * k
+        values = iter([0.5, 0.75] * 100000)
+
+        if "ours" in paths:
+            reset()
+            firsts = []
+            for _ in range(args.repeat_apply):
+                bank = SlotBank(root, max_loras=k, keymap=keymap, device=device,
+                                dtype=root.get_dtype_inference(), model_name="Flux")
+                firsts.append(timer.once(lambda: bank.activate(list(zip(adapters[:k], ones)))))
+                bank.release()
+            bank = SlotBank(root, max_loras=k, keymap=keymap, device=device, dtype=root.get_dtype_inference(),
+                            model_name="Flux")
+            r["base_ours"], r["step_ours"], r["ratio_ours"], r["cpuratio_ours"] = paired(
+                bank.deactivate, lambda: bank.activate(list(zip(adapters[:k], ones))), args.repeat)
+            r["strength_ours"] = timer.median(lambda: bank.set_strength(adapters[0], next(values)), 50)
+            r["first_ours"] = statistics.median(firsts)
+            r["mem_ours"] = bank.occupancy()["bytes"]
+            bank.release()
+            # The same slider move through ComfyUI: MultiLoRALoader's clone + load_models_gpu.
+            reset()
+
+            def ours_clone(strength_last):
+                return bridge.apply_stack(base, None, adapters[:k], ones[:-1] + [strength_last], [0.0] * k, k)[0]
+
+            held = [ours_clone(1.0)]
+            mm.load_models_gpu(held)
+
+            def ours_change():
+                m = ours_clone(next(values))
+                mm.load_models_gpu([m])
+                held[0] = m  # ComfyUI's cache holds the node's output until the next run replaces it
+
+            r["strength_ours_comfy"] = timer.median(ours_change, args.repeat)
+            del held
+            mm.unload_all_models()
+            shared = root.__dict__.get("_lora_engine_bank")
+            if shared is not None:
+                shared.release()
+
+        if "fused" in paths:
+            def fused_chain(strengths, start=None, first=0):
+                m = start or base
+                for sd, s in zip(lora_sds[first:], strengths):
+                    m = comfy.sd.load_lora_for_models(m, None, sd, s, 0)[0]
+                return m
+
+            firsts = []
+            for i in range(args.repeat_apply):
+                reset()
+                if i == 0:
+                    r["base_fused"] = timer.median(step, args.repeat)
+                    base_cpu = cpu_median(args.repeat)
+                held = []
+
+                def fused_first():
+                    held.append(fused_chain(ones))  # the graph's cache holds the last node's output
+                    mm.load_models_gpu(held)
+
+                firsts.append(timer.once(fused_first))
+            patched = held[0]
+            r["first_fused"] = statistics.median(firsts)
+            r["step_fused"] = timer.median(step, args.repeat)
+            r["ratio_fused"] = r["step_fused"] / r["base_fused"]  # weights cannot be toggled: base measured before
+            r["cpuratio_fused"] = cpu_median(args.repeat) / base_cpu
+            r["mem_fused"] = tensor_bytes(b.weight for b in patched.backup.values())
+            prefix = fused_chain(ones[:-1])  # the upstream LoraLoader nodes' cached outputs
+            keep = [patched]
+
+            def fused_change():
+                m = comfy.sd.load_lora_for_models(prefix, None, lora_sds[k - 1], next(values), 0)[0]
+                mm.load_models_gpu([m])
+                keep[0] = m  # ComfyUI's cache holds the node's output until the next run replaces it
+
+            r["strength_fused"] = timer.median(fused_change, args.repeat, warmup=0)
+            del keep, patched, prefix
+            reset()
+
+        if "bypass" in paths:
+            Injection = comfy.patcher_extension.PatcherInjection
+            Manager = comfy.weight_adapter.BypassInjectionManager
+
+            def bypass_one(sd, s):
+                """One LoraLoaderBypass node's output (its own clone and injection)."""
+                return comfy.sd.load_bypass_lora_for_models(base, None, sd, s, 0)[0].get_injections("bypass_lora")
+
+            def bypass_model(parts):
+                if k == 1:
+                    injs = parts[0]
+                else:
+                    flat = [i for p in parts for i in p]
+                    injs = [Injection(inject=lambda mp: [i.inject(mp) for i in flat],
+                                      eject=lambda mp: [i.eject(mp) for i in reversed(flat)])]
+                m = base.clone()
+                m.set_injections("bypass_lora", injs)
+                m.bypass_parts = parts
+                return m
+
+            def bypass_bytes(parts) -> int:
+                seen, total = set(), 0
+                for p in parts:
+                    for inj in p:
+                        for cell in inj.inject.__closure__ or ():
+                            mgr = cell.cell_contents
+                            if isinstance(mgr, Manager):
+                                for h in mgr.hooks:
+                                    for w in h.adapter.weights or ():
+                                        if isinstance(w, torch.Tensor) and id(w) not in seen:
+                                            seen.add(id(w))
+                                            total += w.numel() * w.element_size()
+                return total
+
+            firsts = []
+            for i in range(args.repeat_apply):
+                reset()
+                held = []
+
+                def bypass_first():
+                    held.append(bypass_model([bypass_one(sd, 1.0) for sd in lora_sds[:k]]))
+                    mm.load_models_gpu(held)
+
+                firsts.append(timer.once(bypass_first))
+            loaded = held[0]
+            r["first_bypass"] = statistics.median(firsts)
+            r["base_bypass"], r["step_bypass"], r["ratio_bypass"], r["cpuratio_bypass"] = paired(
+                loaded.eject_model, loaded.inject_model, args.repeat)
+            r["mem_bypass"] = bypass_bytes(loaded.bypass_parts)
+            upstream = loaded.bypass_parts[:-1]
+            keep = [loaded]
+
+            def bypass_change():
+                m = bypass_model(upstream + [bypass_one(lora_sds[k - 1], next(values))])
+                mm.load_models_gpu([m])
+                keep[0] = m
+
+            r["strength_bypass"] = timer.median(bypass_change, args.repeat, warmup=0)
+            del keep, loaded, upstream
+            reset()
+
+        rows[k] = r
+        print(f"  k={k}: " + ", ".join(f"{n} {v * 1e3:.1f} ms" if n[:4] not in ("mem_", "rati", "cpur") else
+                                      f"{n} {v / 2**20:.0f} MB" if n.startswith("mem") else f"{n} {v:.3f}"
+                                      for n, v in r.items()), f"({machine_line()})", flush=True)
+
+    print_tables(rows, ks, paths)
+    print(f"\nmachine after: {machine_line()}; whole run {time.monotonic() - t_start:.0f} s")
+    return 0
+
+
+def print_tables(rows, ks, paths) -> None:
+    def ms(v):
+        if v is None:
+            return "-"
+        return f"{v * 1e3:.3f}" if v < 0.01 else f"{v * 1e3:.1f}"
+
+    def mb(v):
+        return "-" if v is None else f"{v / 2**20:.0f}"
+
+    groups = [("step ms", "step", ["ours", "fused", "bypass"], ms),
+              ("strength change ms", "strength", ["ours", "ours_comfy", "fused", "bypass"], ms),
+              ("first application ms", "first", ["ours", "fused", "bypass"], ms),
+              ("memory MB", "mem", ["ours", "fused", "bypass"], mb)]
+    names = {"ours": "ours", "ours_comfy": "ours†", "fused": "fused", "bypass": "bypass"}
+    w = 9
+    top = f"{'':>2} | {'base':>{w}} |"
+    sub = f"{'k':>2} | {'step ms':>{w}} |"
+    for title, _, cols, _ in groups:
+        width = len(cols) * (w + 1) - 1
+        top += f" {title:^{width}} |"
+        sub += " " + " ".join(f"{names[c]:>{w}}" for c in cols) + " |"
+    print("\n" + top)
+    print(sub)
+    print("-" * len(sub))
+    for k in ks:
+        r = rows[k]
+        base = statistics.median([r[b] for b in ("base_ours", "base_fused", "base_bypass") if b in r])
+        line = f"{k:>2} | {ms(base):>{w}} |"
+        for _, key, cols, fmt in groups:
+            line += " " + " ".join(f"{fmt(r.get(f'{key}_{c}')):>{w}}" for c in cols) + " |"
+        print(line)
+    print("ours: bank.set_strength; ours†: the same move through ComfyUI (MultiLoRALoader clone + load_models_gpu).")
+    print("memory: ours = slot buffers on the device; fused = weight backups (ModelPatcher.backup); "
+          "bypass = adapter weights moved to the device.")
+
+    def ratio(a, b):
+        return "-" if a is None or b is None or b == 0 else (f"{a / b:.2g}x" if a / b < 0.1 else f"{a / b:.2f}x")
+
+    print("\nratios, ours / ComfyUI (below 1: ours is cheaper)")
+    hdr = (f"{'k':>2} | {'step / base step, wall':>22} | {'step / base, cpu':>22} | {'step':>15} | "
+           f"{'strength (set_strength)':>23} | {'strength† (via ComfyUI)':>23} | {'first application':>17} | "
+           f"{'memory':>15}")
+    print(hdr)
+    sub = (f"{'':>2} | {'ours':>6} {'fused':>7} {'bypass':>7} | {'ours':>6} {'fused':>7} {'bypass':>7} | "
+           f"{'/fused':>7} {'/bypass':>7} | {'/fused':>11} "
+           f"{'/bypass':>11} | {'/fused':>11} {'/bypass':>11} | {'/fused':>8} {'/bypass':>8} | {'/fused':>7} "
+           f"{'/bypass':>7}")
+    print(sub)
+    print("-" * len(hdr))
+    for k in ks:
+        r = rows[k]
+        g = r.get
+
+        def vs_base(p, kind="ratio"):
+            v = g(f"{kind}_{p}")
+            return "-" if v is None else f"{v:.3f}"
+
+        print(f"{k:>2} | {vs_base('ours'):>6} {vs_base('fused'):>7} {vs_base('bypass'):>7} | "
+              f"{vs_base('ours', 'cpuratio'):>6} {vs_base('fused', 'cpuratio'):>7} "
+              f"{vs_base('bypass', 'cpuratio'):>7} | "
+              f"{ratio(g('step_ours'), g('step_fused')):>7} {ratio(g('step_ours'), g('step_bypass')):>7} | "
+              f"{ratio(g('strength_ours'), g('strength_fused')):>11} "
+              f"{ratio(g('strength_ours'), g('strength_bypass')):>11} | "
+              f"{ratio(g('strength_ours_comfy'), g('strength_fused')):>11} "
+              f"{ratio(g('strength_ours_comfy'), g('strength_bypass')):>11} | "
+              f"{ratio(g('first_ours'), g('first_fused')):>8} {ratio(g('first_ours'), g('first_bypass')):>8} | "
+              f"{ratio(g('mem_ours'), g('mem_fused')):>7} {ratio(g('mem_ours'), g('mem_bypass')):>7}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# bench/compare.py at Flux-dev's shape (19 double + 38 single blocks, hidden 3072, 11.9 B parameters,
+# bf16, 4096 image + 512 text tokens) on one CUDA GPU, in under 8 minutes on an H200.
+#
+# Run from the repository root on the GPU machine:   bash bench/device_run.sh [extra compare.py options]
+#
+# It needs, inside the repository (both folders are git-ignored; bench/README.md has the commands
+# that make them on a machine with the ComfyUI checkout):
+#   .comfy/   ComfyUI's comfy/, folder_paths.py, node_helpers.py, comfyui_version.py (about 18 MB)
+#   .whl/     a wheel of comfy-aimdo (ComfyUI imports it unconditionally), for that machine's python
+# With the device tool: run(command="bash bench/device_run.sh", carry=[".comfy", ".whl"], timeout_s=540).
+# The table is printed and also written to $OUT/compare_full.txt (else ./compare_full.txt).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if [ ! -f .comfy/comfy/sd.py ]; then
+    echo "missing .comfy/ (ComfyUI's comfy/ and top-level modules); see bench/README.md" >&2
+    exit 2
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 3
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+
+LOG=${OUT:-.}/compare_full.txt
+# Fused first application of 1 to 8 rank-32 LoRAs takes about 20 s at this size, and every change of
+# weight patches moves the model through host memory: one first application per k, 3 strength changes.
+timeout 460 "$PY" bench/compare.py --comfy .comfy --device cuda --dtype bf16 --full \
+    --repeat 3 --repeat-apply 1 "$@" 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
