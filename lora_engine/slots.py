@@ -106,7 +106,7 @@ class LayerSlots:
 class SlotBank:
     """The runtime adapter state of one model. Use `SlotBank.of(root)` to share one per module."""
 
-    BINDINGS_KEPT = 32
+    BINDINGS_KEPT = 4  # bindings kept for adapters that are not resident
 
     def __init__(self, root: nn.Module, *, max_loras: int = 4, keymap: KeyMap | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -135,7 +135,8 @@ class SlotBank:
         self.copies = 0
         self.bytes_copied = 0
         self.reallocations = 0
-        _BANKS.add(self)
+        with _BANKS_LOCK:
+            _BANKS.add(self)
 
     # -- sharing ---------------------------------------------------------------------------------------
 
@@ -160,14 +161,16 @@ class SlotBank:
         if b is None or b.adapter is not adapter:
             b = bind(adapter, self.keymap, self.model_name)
             self._bindings[key] = b
-            while len(self._bindings) > self.BINDINGS_KEPT:
-                old_key = next(iter(self._bindings))
-                if any(a is self._bindings[old_key].adapter for a in self.slots):
-                    self._bindings.move_to_end(old_key)
-                    break
-                del self._bindings[old_key]
+            self._prune_bindings(keep=key)
         self._bindings.move_to_end(key)
         return b
+
+    def _prune_bindings(self, keep: int | None = None) -> None:
+        """Keep the bindings of resident adapters, and a few recent others. A binding holds its adapter,
+        so keeping more would keep adapters alive that the cache has evicted."""
+        extra = [k for k, b in self._bindings.items() if k != keep and not self._resident(b.adapter)]
+        for k in extra[: max(0, len(extra) - self.BINDINGS_KEPT)]:
+            del self._bindings[k]
 
     def report(self, adapter: Adapter) -> MatchReport:
         return self.binding(adapter).report
@@ -210,6 +213,7 @@ class SlotBank:
                                  for j, a in enumerate(wanted)}, batch=strengths.shape[0]
                                 if strengths.dim() == 2 else None)
             self.active = True
+            self._prune_bindings()
             self.copies += len(copied)
             self.bytes_copied += nbytes
             return Activation(tuple(copied), tuple(kept), tuple(released), nbytes)
@@ -248,7 +252,8 @@ class SlotBank:
             self.slots = [None] * self.max_loras
             self._bindings.clear()
             self.active = False
-            _BANKS.discard(self)
+            with _BANKS_LOCK:
+                _BANKS.discard(self)
             if self.root.__dict__.get("_lora_engine_bank") is self:
                 del self.root.__dict__["_lora_engine_bank"]
 
@@ -352,11 +357,14 @@ class SlotBank:
 
 
 _BANKS: weakref.WeakSet[SlotBank] = weakref.WeakSet()
+_BANKS_LOCK = threading.Lock()
 
 
 def all_banks() -> list[SlotBank]:
-    """Every live bank in the process, for status reporting."""
-    return [b for b in list(_BANKS) if b.layers or any(a is not None for a in b.slots)]
+    """Every live bank in the process, for status reporting (safe while another thread creates one)."""
+    with _BANKS_LOCK:
+        banks = list(_BANKS)
+    return [b for b in banks if b.layers or any(a is not None for a in b.slots)]
 
 
 def _add_strength(a: Strength, b: Strength) -> torch.Tensor:

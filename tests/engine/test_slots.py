@@ -194,3 +194,23 @@ def test_fixed_slot_rank_keeps_shapes(adapters):
     bank.activate([(adapters[3], 1.0), (adapters[1], 1.0)])
     assert {n: tuple(layer.a.shape) for n, layer in bank.layers.items()} == shapes
     assert bank.reallocations == len(shapes)
+
+
+def test_a_bank_does_not_keep_evicted_adapters_alive(tmp_path):
+    """Adapters the cache evicted and the bank released must be collectable: the cache bounds memory."""
+    import gc
+    import weakref
+
+    from lora_engine import AdapterCache
+    model = lf.tiny()
+    cache = AdapterCache(max_items=2)
+    bank = SlotBank(model, max_loras=1)
+    refs = []
+    for i in range(12):
+        a = cache.load(lf.write(tmp_path, f"e{i}.safetensors", lf.lora_tensors(model, "kohya", 50 + i, rank=2)))
+        bank.activate([(a, 1.0)])
+        refs.append(weakref.ref(a))
+        del a
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= 2 + 1 + SlotBank.BINDINGS_KEPT  # cached + resident + the few recent bindings
