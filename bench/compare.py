@@ -50,7 +50,6 @@ import gc
 import importlib.util
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -65,6 +64,8 @@ RANK = 32
 
 
 # -- ComfyUI in-process ------------------------------------------------------------------------------
+
+from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 def find_comfy(arg: str | None) -> Path:
     cands = [arg, os.environ.get("COMFYUI_PATH"), "~/comfy/ComfyUI", str(ROOT / ".comfy")]
@@ -199,18 +200,6 @@ class Timer:
         for _ in range(warmup):
             fn()
         return statistics.median(self.once(fn) for _ in range(repeat))
-
-
-def machine_line() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    la = os.getloadavg()
-    return (f"{time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} cores, "
-            f"load average {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} (1 / 5 / 15 min)")
 
 
 def tensor_bytes(ts) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -77,17 +76,7 @@ class BenchServer(cs.ComfyServer):
         return cmd
 
 
-def machine_line() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    la = os.getloadavg()
-    return (f"{time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} cores, "
-            f"load average {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} (1 / 5 / 15 min)")
-
+from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 def models_dir(assets: dict, extra: Path) -> tuple[Path, list[str]]:
     root = Path(tempfile.mkdtemp(prefix="multilora-bench-models-"))
