@@ -18,11 +18,10 @@ A missing `strength_model_i` is 1.0; a missing `strength_clip_i` equals `strengt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from . import bridge
-from .stack import CATEGORY, STRENGTH, Entry, StackError, as_stack, entries
+from .stack import CATEGORY, STRENGTH, Entry, StackError, as_stack, entries, is_strength
 
 MAX_ROWS = 12
 NONE = "None"
@@ -48,7 +47,7 @@ def row_inputs(i: int, names: list[str]) -> dict:
 
 
 def _number(i: int, field: str, name: str, v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if not is_strength(v):
         raise StackError(f"row {i} ({name}): {field}_{i} must be a finite number, got {v!r}")
     return float(v)
 

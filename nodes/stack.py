@@ -27,6 +27,11 @@ class StackError(ValueError):
     pass
 
 
+def is_strength(v: object) -> bool:
+    """A finite int or float (a bool is not a strength)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def entries(stack) -> list[Entry]:
     """Validated entries of a LORA_STACK from any pack; empty names and 'None' placeholders are skipped."""
     if stack is None:
@@ -44,7 +49,7 @@ def entries(stack) -> list[Entry]:
         if not isinstance(name, str):
             raise StackError(f"lora_stack entry {i}: lora_name must be a string, got {name!r}")
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_strength(v):
                 raise StackError(f"lora_stack entry {i} ({name}): {field} must be a finite number, got {v!r}")
         out.append(Entry(name, float(sm), float(sc)))
     return out
@@ -111,7 +116,7 @@ def parse_json_stack(text: str) -> list[Entry]:
         sm = obj.get("strength_model", 1.0)
         sc = obj.get("strength_clip", sm)
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_strength(v):
                 raise StackError(f"{where} ({name}): field \"{field}\" must be a finite number, got {v!r}")
             if not -100 <= v <= 100:
                 raise StackError(f"{where} ({name}): field \"{field}\" = {v} is outside -100..100")
