@@ -13,9 +13,16 @@ was fused at which strength, and a checksum of every weight it wrote. Rules:
   dropped, and the fusion happens as on fresh weights.
 
 The operation is all-or-nothing. A first pass computes and checks every new
-weight (shape, finiteness, interruption) and writes nothing; the second pass
-writes. Peak memory stays near one layer in fp32 above the model, unless the
-new weights fit `keep_bytes`, in which case the first pass keeps them.
+weight (shape, finiteness, a bias to receive a bias diff, interruption) and
+writes nothing; the second pass writes. The second pass is a commit: an error
+raised by the `progress` callback during it (ComfyUI's progress hook raises
+when the prompt is interrupted) is held until every layer is written and the
+ledger recorded, then raised. Any other failure there (memory, I/O) leaves
+the written layers in place with no backup to restore them from, so the
+ledger marks the model torn and every later fusion into it is refused until
+its weights are reloaded. Peak memory stays near one layer in fp32 above the
+model, unless the new weights fit `keep_bytes`, in which case the first pass
+keeps them.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Fusion:
 class Ledger:
     fusions: dict[str, Fusion] = field(default_factory=dict)  # fingerprint -> fusion
     checksums: dict[str, float] = field(default_factory=dict)  # module -> checksum of the written weight
+    torn: str | None = None  # the adapter whose fusion failed half-written; such a model is never fused again
 
     def describe(self) -> list[dict]:
         return [{"adapter": f.adapter.name, "fingerprint": fp, "strength": f.strength, "layers": len(f.modules)}
@@ -84,13 +92,18 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
          model_name: str | None = None) -> FuseResult:
     """Fuse `adapter` at `strength` into `root`'s weights. See the module docstring for the rules.
 
-    `progress(done, total)` is called per layer; `check()` may raise to interrupt (first pass only).
+    `progress(done, total)` is called per layer; `check()` may raise to interrupt (first pass only;
+    an error `progress` raises in the write pass is raised after the commit).
     """
     keymap = keymap or KeyMap(root)
     strength = float(strength)
     if not torch.isfinite(torch.tensor(strength)):
         raise NonFiniteError(f"strength {strength!r} is not finite", path=adapter.path)
     ledger = ledger_of(root)
+    if ledger is not None and ledger.torn is not None and _intact(keymap.modules, ledger):
+        raise FuseError(f"an earlier fusion of {ledger.torn} into {model_name or type(root).__name__} failed after "
+                        "writing some of its layers; these weights are half-fused", path=adapter.path,
+                        remedy="reload the model from disk")
     if ledger is not None and not _intact(keymap.modules, ledger):
         log.info("lora_engine: weights of %s were replaced since the last fusion; the old ledger is dropped",
                  model_name or type(root).__name__)
@@ -145,6 +158,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
             if not bool(torch.isfinite(nw).all()):
                 raise NonFiniteError(f"fusing gives NaN or Inf in layer {name!r}", path=adapter.path,
                                      remedy="the LoRA is broken, or the strength too large for this dtype")
+            _check_bias(keymap.modules[name], plans.get(name), adapter.path)
             w = keymap.modules[name].weight
             # fp8 e4m3fn saturates instead of overflowing to inf, so compare with the dtype's range.
             if w.dtype.is_floating_point and float(nw.abs().max()) > torch.finfo(w.dtype).max:
@@ -166,31 +180,51 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
         raise FuseError(f"fusion failed before any weight was written: {e}", path=adapter.path) from e
 
     ledger = ledger or Ledger()
-    with torch.no_grad():
-        for i, name in enumerate(names):
-            w = keymap.modules[name].weight
-            out = kept.pop(name, None)
-            if out is None:
-                out = new_weight(name).to(w.dtype)
-            w.data.copy_(out)
-            ledger.checksums[name] = _checksum(w)
-            _fuse_bias(keymap.modules[name], plans.get(name), strength - (prior.strength if prior else 0.0))
-            if progress is not None:
-                progress(total + i + 1, 2 * total)
+    held: Exception | None = None  # the first error of the progress callback, raised once the commit is done
+    written = 0
+    try:
+        with torch.no_grad():
+            for i, name in enumerate(names):
+                w = keymap.modules[name].weight
+                out = kept.pop(name, None)
+                if out is None:
+                    out = new_weight(name).to(w.dtype)
+                w.data.copy_(out)
+                written += 1
+                ledger.checksums[name] = _checksum(w)
+                _fuse_bias(keymap.modules[name], plans.get(name), strength - (prior.strength if prior else 0.0))
+                if progress is not None:
+                    try:
+                        progress(total + i + 1, 2 * total)
+                    except Exception as e:  # noqa: BLE001  (held, and raised once every layer is written)
+                        held = held or e
+    except BaseException as e:
+        ledger.torn = adapter.name
+        root.__dict__[LEDGER_ATTR] = ledger
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: not ours to rename
+            raise
+        raise FuseError(f"fusion failed after writing {written} of {total} layers ({e!r}); the model is half-fused "
+                        "and refuses further fusions", path=adapter.path,
+                        remedy="reload the model from disk") from e
     ledger.fusions[adapter.fingerprint] = Fusion(adapter, strength, tuple(names))
     root.__dict__[LEDGER_ATTR] = ledger
     log.info("lora_engine: fused %s at strength %s into %d layers", adapter.name, strength, len(names))
+    if held is not None:
+        raise held
     return FuseResult(True, len(names), "re-fused from the unfused weights" if refuse else "fused")
+
+
+def _check_bias(module: nn.Module, plan, path: str | None) -> None:
+    if plan is not None and plan.bias() is not None and getattr(module, "bias", None) is None:
+        raise FuseError(f"the adapter has a bias diff for {plan.name!r}, which has no bias", path=path,
+                        key=plan.name)
 
 
 def _fuse_bias(module: nn.Module, plan, strength: float) -> None:
     db = plan.bias() if plan is not None else None
     if db is None or strength == 0.0:
         return
-    if getattr(module, "bias", None) is None:
-        raise FuseError(f"the adapter has a bias diff for {plan.name!r}, which has no bias",
-                        key=plan.name)
-    b = module.bias
+    b = module.bias  # present: _check_bias ran in the first pass
     b.data.copy_((b.detach().float() + strength * db.to(b.device)).to(b.dtype))
 
 

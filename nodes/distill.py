@@ -8,13 +8,23 @@ Never twice: the engine's ledger travels with the model object (clones share it)
 own reload hook (`cached_patcher_init`) is pointed at this loader, so a model that ComfyUI
 rebuilds from disk comes back fused once, never unfused; a baked file records its fusion in
 its metadata and is not fused again.
+
+Interrupted: the engine writes nothing before its check pass is through, and finishes its
+write pass before it lets an interrupt out. Either way the model object is this call's own
+and is dropped with the exception, and `cached_patcher_init` is set only after a fusion that
+completed, so nothing half-done is cached or rebuilt. `fusion_log()` (in GET /multilora/status)
+shows each fusion's progress and how it ended.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import itertools
 import json
 import logging
 import os
+import threading
 
 from lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
 
@@ -26,6 +36,42 @@ log = logging.getLogger("multilora")
 WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
 META_FUSIONS = "multilora.fusions"
 META_BASE = "multilora.base"
+
+_log_lock = threading.Lock()
+_log: collections.deque[dict] = collections.deque(maxlen=16)
+_ids = itertools.count(1)
+
+
+def fusion_log() -> list[dict]:
+    """The latest fusions, oldest first: of its `layers`, how many the check pass has `checked` and the write
+    pass has `written`, and its `state`: `fusing`, `fused`, `failed` or `interrupted` (with every layer
+    written when the interrupt came during the write pass, which completes first)."""
+    with _log_lock:
+        return [dict(r) for r in _log]
+
+
+@contextlib.contextmanager
+def _logged(unet_path: str, lora_name: str, strength: float):
+    """A fusion-log record for the fusion run in the block; yields `progress(done, total)` that keeps it
+    current (the engine counts its check pass as steps 1..n and its write pass as n+1..2n)."""
+    record = {"id": next(_ids), "unet": os.path.basename(unet_path), "lora": lora_name, "strength": strength,
+              "state": "fusing", "layers": 0, "checked": 0, "written": 0}
+    with _log_lock:
+        _log.append(record)
+
+    def progress(done: int, total: int) -> None:
+        n = total // 2
+        with _log_lock:
+            record.update(layers=n, checked=min(done, n), written=max(done - n, 0))
+
+    try:
+        yield progress
+    except BaseException as e:
+        with _log_lock:
+            record["state"] = "interrupted" if type(e).__name__ == "InterruptProcessingException" else "failed"
+        raise
+    with _log_lock:
+        record["state"] = "fused"
 
 
 def recorded_fusions(path: str) -> list[dict]:
@@ -57,11 +103,14 @@ def load_fused(unet_path: str, model_options: dict, lora_name: str, strength: fl
     model = bridge.load_unet(unet_path, model_options)
     root = model.model
     if ledger_of(root) is None or adapter.fingerprint not in ledger_of(root).fusions:
-        with bridge.stored_weights(unet_path, root) as originals:
-            pbar = bridge.progress(1)
+        pbar = bridge.progress(1)
+        with _logged(unet_path, lora_name, strength) as logged, bridge.stored_weights(unet_path, root) as originals:
+            def progress(done: int, total: int) -> None:
+                logged(done, total)  # first: ComfyUI's progress hook raises when the prompt is interrupted
+                pbar.update_absolute(done, total)
+
             result = fuse(root, adapter, strength, keymap=bridge.unet_keymap(root), originals=originals,
-                          progress=lambda done, total: pbar.update_absolute(done, total),
-                          check=bridge.check_interrupt, model_name=type(root).__name__)
+                          progress=progress, check=bridge.check_interrupt, model_name=type(root).__name__)
         log.info("[MultiLoRA] fused %s at strength %s into %d layers of %s (%s)", adapter.name, strength,
                  result.layers, os.path.basename(unet_path), type(root).__name__)
     model.cached_patcher_init = (load_fused, (unet_path, model_options, lora_name, strength))

@@ -10,6 +10,7 @@ from lora_engine import LoRAError, all_banks, default_cache, read_header
 from lora_engine.slots import LayerSlots
 
 from . import bridge
+from .distill import fusion_log
 from .lora_info import describe as describe_lora
 
 
@@ -20,6 +21,7 @@ def status() -> dict:
         "reports": bridge.reports(),
         "loaded_models": bridge.loaded_models(),
         "hooks": hooks(),
+        "fusions": fusion_log(),
     }
 
 

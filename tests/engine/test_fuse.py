@@ -150,3 +150,72 @@ def test_fp8_saturation_is_an_overflow_error(tmp_path):
     with pytest.raises(NonFiniteError, match="'ff' overflows float8_e4m3fn"):
         fuse(model, adapter, 1.0)
     assert all(torch.equal(before[k], v.float()) for k, v in model.state_dict().items())
+
+
+class InterruptProcessingException(Exception):
+    """Named as ComfyUI's, which the engine lets through unwrapped."""
+
+
+def raises_after(k: int):
+    calls = []
+
+    def callback(*_):
+        calls.append(1)
+        if len(calls) > k:
+            raise InterruptProcessingException()
+    return callback
+
+
+@pytest.mark.parametrize("k", [0, 3, len(lf.LAYERS) - 1])
+def test_interrupt_after_k_layers_writes_nothing(adapter, k):
+    model = lf.tiny()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(InterruptProcessingException):
+        fuse(model, adapter, 1.0, check=raises_after(k), keep_bytes=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert ledger_of(model) is None
+    assert fuse(model, adapter, 1.0).fused  # nothing recorded: the next fusion starts from the same weights
+
+
+@pytest.mark.parametrize("k", [len(lf.LAYERS), len(lf.LAYERS) + 2])
+def test_interrupt_from_progress_during_the_write_pass_is_raised_after_the_commit(adapter, k):
+    """ComfyUI's progress hook raises on interrupt: the write pass finishes and records, then it raises."""
+    model = lf.tiny()
+    with pytest.raises(InterruptProcessingException):
+        fuse(model, adapter, 1.0, progress=raises_after(k), keep_bytes=0)
+    direct = lf.tiny()
+    fuse(direct, adapter, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), direct.state_dict().values()))
+    assert [f["strength"] for f in ledger_of(model).describe()] == [1.0]
+    assert not fuse(model, adapter, 1.0).fused
+
+
+def test_failure_mid_write_marks_the_model_torn(adapter):
+    """No backup to restore from: the model refuses every later fusion until its weights are reloaded."""
+    pristine = {n: m.weight.detach().clone() for n, m in lf.tiny().named_modules() if n in lf.LAYERS}
+    reads = []
+
+    def originals(name):
+        reads.append(name)
+        if len(reads) == len(lf.LAYERS) + 3:  # the write pass reads them again (keep_bytes=0)
+            raise OSError("disk gone")
+        return pristine[name]
+
+    model = lf.tiny()
+    with pytest.raises(FuseError, match="after writing 2 of 7 layers.*half-fused"):
+        fuse(model, adapter, 1.0, originals=originals, keep_bytes=0)
+    with pytest.raises(FuseError, match="half-fused.*reload the model from disk"):
+        fuse(model, adapter, 1.0, originals=pristine)
+    model.load_state_dict(lf.tiny().state_dict())
+    assert fuse(model, adapter, 1.0).fused
+
+
+def test_bias_diff_for_a_layer_without_bias_writes_nothing(tmp_path):
+    adapter = load_adapter(lf.write(tmp_path, "diff.safetensors", lf.diff_tensors(lf.tiny(), 5)))
+    model = lf.tiny()
+    model.proj.bias = None  # "proj" sorts last: every other layer would be written before it
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(FuseError, match="'proj', which has no bias"):
+        fuse(model, adapter, 1.0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert ledger_of(model) is None

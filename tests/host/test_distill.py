@@ -11,14 +11,18 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bench import soak
 from tools import synth
-from tools.comfy_server import ComfyExecutionError
+from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
+
+from .conftest import place
 
 pytestmark = pytest.mark.host
 
@@ -189,3 +193,58 @@ def test_failures_name_the_file_and_leave_nothing_behind(server, images, models_
     for t in texts:
         assert t in str(e.value), (t, str(e.value))
     assert np.array_equal(one(server, distill()), images["ours"])
+
+
+LONG_LORA = "distill_every_layer.safetensors"
+
+
+@pytest.fixture(scope="module")
+def long_lora(models_dir, comfy_root, comfy_python):
+    """A LoRA on every attention, feed-forward, projection and conv layer of the UNet (258 layers, most of
+    the model's weights): its fusion takes seconds on a CPU, long enough to interrupt between layers."""
+    dst = models_dir / "loras" / LONG_LORA
+    if not dst.exists():
+        manifest = synth.shape_manifest(comfy_root=comfy_root, python=comfy_python)
+        place(synth.cached_lora("locon", seed=404, rank=8, targets=("attn", "ff", "proj", "conv"),
+                                include_clip=False, manifest=manifest), dst)
+    return LONG_LORA
+
+
+def fusions_after(server, last_id: int) -> list[dict]:
+    return [r for r in server.get_json("/multilora/status")["fusions"] if r["id"] > last_id]
+
+
+def test_interrupt_during_fusion_then_the_same_image(server, unet_file, long_lora):
+    """POST /interrupt while DistillFuse checks its layers: the prompt stops there, no fusion is recorded or
+    cached, and the same graph then gives exactly the image of an uninterrupted run."""
+    prompt = distill(lora=long_lora)
+    before = server.get_json("/multilora/status")["fusions"]
+    expected = one(server, prompt)
+    [done] = fusions_after(server, before[-1]["id"] if before else 0)
+    assert done["state"] == "fused" and done["written"] == done["layers"] > 200, done
+
+    server.free()  # forget ComfyUI's cached outputs, so that DistillFuse runs again
+    pid = server.post_prompt(prompt)
+    deadline = time.monotonic() + 300
+    while not any(r["checked"] for r in fusions_after(server, done["id"])):
+        if server.history(pid) is not None:
+            server.wait(pid)  # raises the server's own error, if any
+            pytest.fail("the prompt ended before the fusion had checked a layer")
+        assert time.monotonic() < deadline, "the fusion checked no layer within 300 s"
+        time.sleep(0.02)
+    server.interrupt(pid)
+    with pytest.raises(ComfyInterrupted) as e:
+        server.wait(pid, timeout=300)
+    assert e.value.details.get("node_type") == "DistillFuse", (
+        f"the interrupt landed in {e.value.details.get('node_type')!r}, after the fusion's check pass")
+    [cut] = fusions_after(server, done["id"])
+    assert cut["state"] == "interrupted" and 0 < cut["checked"] < cut["layers"] and cut["written"] == 0, cut
+    print(f"\ninterrupted after checking {cut['checked']} of {cut['layers']} layers; none written")
+    assert not soak.check_status(server.get_json("/multilora/status"), max_banks=None)
+
+    assert np.array_equal(one(server, prompt), expected)
+    [again] = fusions_after(server, cut["id"])
+    assert again["state"] == "fused" and again["written"] == again["layers"] == done["layers"], again
+    st = server.get_json("/multilora/status")
+    assert not soak.check_status(st, max_banks=None)  # no weight patches or backups, no stray hooks
+    assert "BaseModel" in [m["model"] for m in st["loaded_models"]]
