@@ -10,7 +10,6 @@ Each variant is timed from queueing to the last image, with the checkpoint alrea
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import tempfile
@@ -35,6 +34,16 @@ def models_dir(root: Path, python: str) -> Path:
         os.link(path, d / "loras" / synth.LORA_NAMES[kind]) if os.stat(path).st_dev == os.stat(d).st_dev else \
             (d / "loras" / synth.LORA_NAMES[kind]).write_bytes(Path(path).read_bytes())
     return d
+
+
+def synthetic_server() -> cs.ComfyServer | None:
+    """A started ComfyUI server on the synthetic checkpoint and LoRAs, or None (with a message) without ComfyUI."""
+    root = cs.find_comfy_root()
+    if root is None:
+        print("no ComfyUI found; set COMFYUI_PATH", file=sys.stderr)
+        return None
+    python = cs.find_comfy_python(root)
+    return cs.ComfyServer(comfy_root=root, python=python, models_dir=models_dir(root, python)).start()
 
 
 def base_graph(size: int, steps: int, model, clip, latent, prefix: str) -> dict:
@@ -95,12 +104,9 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
-    root = cs.find_comfy_root()
-    if root is None:
-        print("no ComfyUI found; set COMFYUI_PATH", file=sys.stderr)
+    server = synthetic_server()
+    if server is None:
         return 2
-    python = cs.find_comfy_python(root)
-    server = cs.ComfyServer(comfy_root=root, python=python, models_dir=models_dir(root, python)).start()
     try:
         server.run(cell(args.size, args.steps, 0.5, 0.5, stock=True, prefix="warm"))  # checkpoint loaded once
         cells = [(sx, sy) for sy in VALUES for sx in VALUES]

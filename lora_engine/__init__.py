@@ -5,22 +5,26 @@
     bank = SlotBank.of(model, max_loras=4)
     bank.activate([(a, 0.8)])        # y = f(x) + Σ sᵢ·Bᵢ·Aᵢ·x on every targeted layer
     bank.set_strength(a, 0.5)        # a tensor write
+    bank.activate([Entry(a, 0.8, Schedule.parse("0:1, 1:0.2"), {"up.0": 0.0})])
+    bank.set_progress(0.5)           # the schedule at this sampling progress: a tensor write
     fuse(model, distilled, 1.0)      # W ← W + s·ΔW in fp32, rounded once, never twice
 """
 
 from .adapter import Adapter, FileIdentity, load_adapter
 from .binding import MatchReport, bind
 from .cache import AdapterCache, CacheStats, default_cache
+from .blocks import BlockWeights
 from .errors import (FuseError, LoRAError, LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError,
-                     NonFiniteError, SlotLimitError)
+                     NonFiniteError, ShapingError, SlotLimitError)
 from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
-from .slots import Activation, SlotBank, all_banks
+from .schedule import Schedule
+from .slots import Activation, Entry, SlotBank, all_banks
 
 __all__ = [
-    "Activation", "Adapter", "AdapterCache", "CacheStats", "FileIdentity", "FuseError", "FuseResult", "KeyMap",
-    "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError", "LoRAShapeError", "MatchReport",
-    "NonFiniteError", "SlotBank", "SlotLimitError", "Target", "all_banks", "bind", "default_cache", "fuse", "ledger_of",
-    "load_adapter", "read_header",
+    "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "Entry", "FileIdentity", "FuseError",
+    "FuseResult", "KeyMap", "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError", "LoRAShapeError",
+    "MatchReport", "NonFiniteError", "Schedule", "ShapingError", "SlotBank", "SlotLimitError", "Target", "all_banks",
+    "bind", "default_cache", "fuse", "ledger_of", "load_adapter", "read_header",
 ]

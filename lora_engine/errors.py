@@ -47,4 +47,9 @@ class SlotLimitError(LoRAError):
 
 
 class FuseError(LoRAError):
-    """A fusion could not be carried out; the weights are left as they were."""
+    """A fusion could not be carried out. Failing before the write pass leaves the weights as they were;
+    failing during it marks the model half-fused, and further fusions into it are refused."""
+
+
+class ShapingError(LoRAError, ValueError):
+    """A malformed schedule or block-weight vector, or one that does not fit the model."""

@@ -9,6 +9,12 @@ Axis values are written as text:
     0, 0.25, 0.5, 1.0        a list
     0:1:0.25                 start:stop:step, stop included
     -1..1/5                  start..stop/count, evenly spaced, both ends included
+
+An axis can also vary an entry's block weights or its schedule, values separated by `|`:
+
+    blocks: ALL | IN | NO-OUT | IN04=0, MID=0
+    schedule: 0:1 | 0:1, 1:0 | 0:0, 1:1
+    schedule step: 0:0, 0.5:1 | 0:1, 0.5:0
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+
+from .blocks import BlockWeights
+from .errors import ShapingError
+from .schedule import Schedule
 
 MAX_VALUES = 64
 MAX_CELLS = 4096
@@ -52,6 +62,38 @@ def parse_values(text: str, axis: str = "axis") -> list[float]:
     return values
 
 
+_SHAPED = re.compile(r"^\s*(blocks|schedule(?:\s+(linear|step))?)\s*:\s*(.*)$", re.DOTALL | re.IGNORECASE)
+
+
+def parse_axis(text: str, axis: str = "axis") -> tuple[str, list]:
+    """("strength", [floats]), ("blocks", [BlockWeights]) or ("schedule", [Schedule])."""
+    m = _SHAPED.match(text or "")
+    if not m:
+        return "strength", parse_values(text, axis)
+    kind = "blocks" if m[1].lower() == "blocks" else "schedule"
+    parts = [p.strip() for p in m[3].split("|")]
+    if not any(parts) or not all(parts):
+        raise GridError(f"{axis}: {kind} values are separated by '|' and none may be empty, e.g. "
+                        + ("'blocks: ALL | IN | OUT'" if kind == "blocks" else "'schedule: 0:1 | 0:1, 1:0'"))
+    if len(parts) > MAX_VALUES:
+        raise GridError(f"{axis}: {len(parts)} values; at most {MAX_VALUES}")
+    try:
+        if kind == "blocks":
+            return kind, [BlockWeights.parse(p) for p in parts]
+        return kind, [Schedule.parse(p, (m[2] or "linear").lower()) for p in parts]
+    except ShapingError as e:
+        raise GridError(f"{axis}: {e}") from None
+
+
+def label(value) -> str:
+    """How a value of any axis kind is shown on the grid."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, Schedule):
+        return value.describe()
+    return value.text if isinstance(value, BlockWeights) else str(value)
+
+
 def _num(p: str, axis: str, text: str) -> float:
     try:
         v = float(p)
@@ -66,7 +108,8 @@ def _num(p: str, axis: str, text: str) -> float:
 class Axis:
     entry: int  # index into the stack
     label: str  # the entry's name, as shown on the grid
-    values: tuple[float, ...]
+    values: tuple  # strengths, BlockWeights or Schedules
+    kind: str = "strength"
 
 
 def find_entry(names: list[str], ref: str, axis: str) -> int:
@@ -111,9 +154,13 @@ class Grid:
 
     def strengths(self, i: int) -> list[float]:
         """strength_model of every entry in cell i."""
-        out = list(self.base)
+        return self._values(i, "strength", self.base)
+
+    def _values(self, i: int, kind: str, base: list) -> list:
+        out = list(base)
         for axis, k in zip(self.axes, self.cell(i)):
-            out[axis.entry] = axis.values[k]
+            if axis.kind == kind:
+                out[axis.entry] = axis.values[k]
         return out
 
     def table(self, start: int, stop: int) -> list[list[float]]:
@@ -121,13 +168,25 @@ class Grid:
         rows = [self.strengths(i) for i in range(start, stop)]
         return [[r[j] for r in rows] for j in range(len(self.names))]
 
+    def varied(self, kind: str) -> set[int]:
+        """The entries whose `kind` ("blocks" or "schedule") an axis varies."""
+        return {a.entry for a in self.axes if a.kind == kind}
+
+    def shaped_table(self, start: int, stop: int, kind: str, own: list) -> list:
+        """Per entry: its own value when no axis varies it, else a tuple of per-item values."""
+        varied = self.varied(kind)
+        rows = [self._values(i, kind, own) for i in range(start, stop)]
+        return [tuple(r[j] for r in rows) if j in varied else own[j] for j in range(len(self.names))]
+
     def chunks(self, per_batch: int) -> list[tuple[int, int]]:
         per_batch = max(1, per_batch)
         return [(s, min(s + per_batch, self.cells)) for s in range(0, self.cells, per_batch)]
 
     def describe(self) -> dict:
         return {"names": self.names, "base": self.base,
-                "axes": [{"entry": a.entry, "label": a.label, "values": list(a.values)} for a in self.axes],
+                "axes": [{"entry": a.entry, "label": a.label if a.kind == "strength" else f"{a.label} {a.kind}",
+                          "kind": a.kind, "values": [v if a.kind == "strength" else label(v) for v in a.values]}
+                         for a in self.axes],
                 "shape": list(self.shape)}
 
 
@@ -141,10 +200,11 @@ def build(names: list[str], base: list[float], axes: list[tuple[str, str, str]])
                 raise GridError(f"{axis}: values are given but no stack entry is named")
             continue
         i = find_entry(names, ref, axis)
-        if i in used:
-            raise GridError(f"{axis}: entry {names[i]!r} is already varied by {used[i]}")
-        used[i] = axis
-        grid.axes.append(Axis(i, names[i], tuple(parse_values(text, axis))))
+        kind, values = parse_axis(text, axis)
+        if (i, kind) in used:
+            raise GridError(f"{axis}: the {kind} of entry {names[i]!r} is already varied by {used[i, kind]}")
+        used[i, kind] = axis
+        grid.axes.append(Axis(i, names[i], tuple(values), kind))
     if not grid.axes:
         raise GridError("no axis: name a stack entry and its values for at least one axis")
     if grid.cells > MAX_CELLS:

@@ -8,6 +8,10 @@ Activation compares the requested set as a set: resident adapters keep their
 slot, only newcomers are copied (non-blocking), an adapter left out releases
 its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
 or [batch, N]; changing them is a tensor write.
+
+Strength shaping changes numbers only: a schedule multiplies a slot's strength
+at each `set_progress`, and layer weights give a layer its own factor per slot
+(a layer whose factors are all 0 is skipped).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +29,26 @@ from torch import nn
 from . import runtime
 from .adapter import Adapter
 from .binding import Binding, Geometry, MatchReport, ModulePlan, bind
-from .errors import LoRAShapeError, NonFiniteError, SlotLimitError
+from .errors import LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError
 from .keymap import KeyMap
+from .schedule import Schedule
 
 Strength = float | Sequence[float] | torch.Tensor
+LayerWeights = Mapping[str, float]  # layer name -> multiplier; a layer left out has 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One adapter of an activation. `schedule` and `layer_weights` may be one per batch item (a tuple)."""
+
+    adapter: Adapter
+    strength: Strength
+    schedule: Schedule | tuple[Schedule | None, ...] | None = None
+    layer_weights: LayerWeights | tuple[LayerWeights | None, ...] | None = None
+
+    @property
+    def shaped(self) -> bool:
+        return self.schedule is not None or self.layer_weights is not None
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,8 @@ class LayerSlots:
         self.lr_used: set[int] = set()
         self.dense: dict[int, torch.Tensor] = {}
         self.bias: dict[int, torch.Tensor] = {}
+        self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
+        self.muted = False  # every factor is 0
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
 
     @property
@@ -68,12 +90,13 @@ class LayerSlots:
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank
-        if not bank.active or bank.all_zero or self.empty:
+        if not bank.active or bank.all_zero or self.empty or self.muted:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
-        return runtime.apply(self, module, x, out, bank.scale)
+        scale = bank.scale if self.factor is None else bank.scale * self.factor
+        return runtime.apply(self, module, x, out, scale)
 
     def ensure_rank(self, rank: int) -> None:
         if rank <= self.rank:
@@ -101,6 +124,8 @@ class LayerSlots:
             self.a, self.b = self.a.to(device), self.b.to(device)
         self.dense = {k: v.to(device) for k, v in self.dense.items()}
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
+        if self.factor is not None:
+            self.factor = self.factor.to(device)
 
 
 class SlotBank:
@@ -129,6 +154,9 @@ class SlotBank:
         self._strengths = torch.zeros(max_loras, dtype=self.dtype, device=self.device)
         self._item_strengths: torch.Tensor | None = None
         self.scale = self._strengths
+        self._table = torch.zeros(max_loras)  # unscheduled strengths on the host, [N] or [batch, N]
+        self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
+        self.progress = 0.0
         self.all_zero = True
         self.active = False
         self.lock = threading.RLock()
@@ -177,21 +205,29 @@ class SlotBank:
 
     # -- activation ------------------------------------------------------------------------------------
 
-    def activate(self, entries: Iterable[tuple[Adapter, Strength]]) -> Activation:
+    def activate(self, entries: Iterable[Entry | tuple[Adapter, Strength]]) -> Activation:
         """Make exactly these adapters active, at these strengths. All-or-nothing: a bad adapter
         raises before any slot changes."""
         with self.lock:
-            merged: dict[int, tuple[Adapter, Strength]] = {}
-            for adapter, strength in entries:
-                prev = merged.get(id(adapter))
-                merged[id(adapter)] = (adapter, strength if prev is None else _add_strength(prev[1], strength))
-            wanted = [a for a, _ in merged.values()]
+            merged: dict[int, Entry] = {}
+            for item in entries:
+                e = item if isinstance(item, Entry) else Entry(*item)
+                prev = merged.get(id(e.adapter))
+                if prev is not None and (prev.shaped or e.shaped):
+                    raise ShapingError(f"{e.adapter.name} appears twice in the stack and one entry has a schedule "
+                                       "or block weights", path=e.adapter.path,
+                                       remedy="keep one entry for this LoRA")
+                merged[id(e.adapter)] = e if prev is None else Entry(
+                    e.adapter, _add_strength(prev.strength, e.strength))
+            wanted = [e.adapter for e in merged.values()]
             if len(wanted) > self.max_loras:
                 names = ", ".join(a.name for a in wanted)
                 raise SlotLimitError(f"{len(wanted)} adapters requested ({names}) but this model has "
                                      f"max_loras={self.max_loras} slots",
                                      remedy="raise max_loras, or disable entries in the stack")
-            strengths = _strength_table([s for _, s in merged.values()])
+            strengths = _strength_table([e.strength for e in merged.values()])
+            batch = strengths.shape[0] if strengths.dim() == 2 else None
+            _check_items(list(merged.values()), batch)
             bindings = [self.binding(a) for a in wanted]  # raises before any state changes
             staged = {id(b.adapter): self._stage(b) for b in bindings if not self._resident(b.adapter)}
 
@@ -209,20 +245,34 @@ class SlotBank:
                 nbytes += self._write(slot, b, staged[id(b.adapter)])
                 self.slots[slot] = b.adapter
                 copied.append(b.adapter.name)
-            self._set_strengths({self._slot_of(a): strengths[:, j] if strengths.dim() == 2 else strengths[j]
-                                 for j, a in enumerate(wanted)}, batch=strengths.shape[0]
-                                if strengths.dim() == 2 else None)
+            slot_of = {j: self._slot_of(a) for j, a in enumerate(wanted)}
+            self._schedules = {slot_of[j]: e.schedule for j, e in enumerate(merged.values())
+                               if e.schedule is not None}
+            self._set_layer_weights({slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
+                                     if e.layer_weights is not None}, batch)
+            self._set_strengths({slot_of[j]: strengths[:, j] if batch is not None else strengths[j]
+                                 for j in range(len(wanted))}, batch=batch)
             self.active = True
             self._prune_bindings()
             self.copies += len(copied)
             self.bytes_copied += nbytes
             return Activation(tuple(copied), tuple(kept), tuple(released), nbytes)
 
+    def set_progress(self, progress: float) -> None:
+        """Apply every slot's schedule at this sampling progress (0…1): a tensor write, or nothing when
+        no slot has a schedule or the progress is unchanged."""
+        with self.lock:
+            if not self._schedules or progress == self.progress:
+                self.progress = progress
+                return
+            self.progress = progress
+            self._push()
+
     def set_strength(self, adapter: Adapter, value: Strength) -> None:
         """Change one resident adapter's strength: a tensor write, nothing else."""
         with self.lock:
             slot = self._slot_of(adapter)
-            table = {i: (self.scale[:, i] if self.scale.dim() == 2 else self.scale[i]).clone()
+            table = {i: (self._table[:, i] if self._table.dim() == 2 else self._table[i]).clone()
                      for i, a in enumerate(self.slots) if a is not None}
             t = _strength_table([value])
             table[slot] = t[:, 0] if t.dim() == 2 else t[0]
@@ -277,6 +327,8 @@ class SlotBank:
                 "dtype": str(self.dtype).replace("torch.", ""), "active": self.active,
                 "layers": len(self.layers), "bytes": sum(layer.nbytes() for layer in self.layers.values()),
                 "copies": self.copies, "bytes_copied": self.bytes_copied, "reallocations": self.reallocations,
+                "progress": self.progress, "scheduled_slots": sorted(self._schedules),
+                "weighted_layers": sum(layer.factor is not None for layer in self.layers.values()),
                 "slots": [None if a is None else {
                     "name": a.name, "fingerprint": a.fingerprint,
                     "strength": scale[i].item() if scale.dim() == 1 else scale[:, i].tolist()}
@@ -339,21 +391,62 @@ class SlotBank:
         self.slots[slot] = None
 
     def _set_strengths(self, table: dict[int, torch.Tensor], batch: int | None) -> None:
-        if batch is None:
-            values = torch.zeros(self.max_loras, dtype=torch.float32)
-            for i, v in table.items():
-                values[i] = v
+        shape = (self.max_loras,) if batch is None else (batch, self.max_loras)
+        values = torch.zeros(shape, dtype=torch.float32)
+        for i, v in table.items():
+            values[..., i] = v
+        self._table = values
+        self.progress = 0.0
+        self._push()
+
+    def _multipliers(self) -> torch.Tensor | None:
+        """The schedules' multipliers at the current progress, [N] or [batch, N]; None without schedules."""
+        if not self._schedules:
+            return None
+        batch = max((len(s) for s in self._schedules.values() if isinstance(s, tuple)), default=None)
+        mult = torch.ones((self.max_loras,) if batch is None else (batch, self.max_loras))
+        p = self.progress
+        for slot, sched in self._schedules.items():
+            if isinstance(sched, tuple):
+                mult[:, slot] = torch.tensor([1.0 if s is None else s.at(p) for s in sched])
+            else:
+                mult[..., slot] = sched.at(p)
+        return mult
+
+    def _push(self) -> None:
+        """Write the strengths times the schedules' multipliers into the device scale tensor."""
+        values = self._table
+        mult = self._multipliers()
+        if mult is not None:
+            values = values * mult
+        if values.dim() == 1:
             self._strengths.copy_(values)
             self.scale = self._strengths
         else:
-            values = torch.zeros(batch, self.max_loras, dtype=torch.float32)
-            for i, v in table.items():
-                values[:, i] = v
             if self._item_strengths is None or self._item_strengths.shape != values.shape:
                 self._item_strengths = torch.empty(values.shape, dtype=self.dtype, device=self.device)
             self._item_strengths.copy_(values)
             self.scale = self._item_strengths
         self.all_zero = not bool(values.any())
+
+    def _set_layer_weights(self, weights: dict[int, LayerWeights | tuple], batch: int | None) -> None:
+        """Per-layer factors for the slots that have layer weights; every other layer and slot has 1."""
+        items = max((len(w) for w in weights.values() if isinstance(w, tuple)), default=None)
+        rows = items or batch
+        for name, layer in self.layers.items():
+            factor = None
+            for slot, w in weights.items():
+                per_item = w if isinstance(w, tuple) else None
+                values = [1.0 if m is None else m.get(name, 1.0) for m in per_item] if per_item else \
+                    [w.get(name, 1.0)]
+                if all(v == 1.0 for v in values):
+                    continue
+                if factor is None:
+                    factor = torch.ones((self.max_loras,) if rows is None else (rows, self.max_loras))
+                factor[..., slot] = torch.tensor(values) if per_item else values[0]
+            layer.muted = factor is not None and not bool(factor[..., sorted(layer.lr_used | set(layer.dense) |
+                                                                               set(layer.bias))].any())
+            layer.factor = None if factor is None else factor.to(device=self.device, dtype=self.dtype)
 
 
 _BANKS: weakref.WeakSet[SlotBank] = weakref.WeakSet()
@@ -369,6 +462,18 @@ def all_banks() -> list[SlotBank]:
 
 def _add_strength(a: Strength, b: Strength) -> torch.Tensor:
     return torch.as_tensor(a, dtype=torch.float32) + torch.as_tensor(b, dtype=torch.float32)
+
+
+def _check_items(entries: list[Entry], batch: int | None) -> None:
+    """Per-item strengths, schedules and layer weights must all have one batch size."""
+    sizes = {} if batch is None else {batch: "per-item strengths"}
+    for e in entries:
+        for what, v in (("schedules", e.schedule), ("block weights", e.layer_weights)):
+            if isinstance(v, tuple):
+                sizes.setdefault(len(v), f"{e.adapter.name}'s per-item {what}")
+    if len(sizes) > 1:
+        raise ShapingError("per-item values of different lengths: " +
+                           ", ".join(f"{n} {what}" for n, what in sizes.items()))
 
 
 def _strength_table(values: list[Strength]) -> torch.Tensor:

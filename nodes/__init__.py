@@ -4,25 +4,30 @@ from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
 from .loader import MultiLoRALoader
 from .rows import LoRAStackRows
+from .shaping import LoRABlockWeights, LoRAStrengthSchedule
 from .stack import LoRAStack, LoRAStackFromJSON
 
 NODE_CLASS_MAPPINGS = {
     "DistillFuse": DistillFuse,
+    "LoRABlockWeights": LoRABlockWeights,
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackRows": LoRAStackRows,
     "LoRAStrengthGrid": LoRAStrengthGrid,
+    "LoRAStrengthSchedule": LoRAStrengthSchedule,
     "MultiLoRALoader": MultiLoRALoader,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "DistillFuse": "DistillFuse (fuse a distilled LoRA once)",
+    "LoRABlockWeights": "LoRA Block Weights (Multi-LoRA)",
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
     "LoRAStrengthGrid": "LoRA Strength Grid (one batch)",
+    "LoRAStrengthSchedule": "LoRA Strength Schedule (Multi-LoRA)",
     "MultiLoRALoader": "Multi-LoRA Loader (runtime)",
 }
 

@@ -18,22 +18,34 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 import comfy.lora
 import comfy.lora_convert
-import comfy.sd
 import comfy.model_management
 import comfy.patcher_extension
+import comfy.sd
 import comfy.utils
 import folder_paths
+import torch
 
-from lora_engine import (Adapter, KeyMap, LoRAFileError, LoRANoMatchError, SlotBank, SlotLimitError, bind,
-                         default_cache)
+from lora_engine import (
+    Adapter,
+    KeyMap,
+    LoRAFileError,
+    LoRANoMatchError,
+    SlotBank,
+    SlotLimitError,
+    bind,
+    default_cache,
+)
+from lora_engine.blocks import BlockWeights, layer_weights, layout
+from lora_engine.errors import ShapingError
+from lora_engine.schedule import Schedule, step_progress
+from lora_engine.slots import Entry
 
 log = logging.getLogger("multilora")
 
 INJECTION_KEY = "multilora"
+WRAPPER_KEY = "multilora_schedule"
 MAX_NAME = 1024
 
 
@@ -189,9 +201,9 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
 
 @dataclass(frozen=True)
 class Stack:
-    """What one clone runs with: (adapter, strength) pairs and the slot count to hold them."""
+    """What one clone runs with: the engine entries and the slot count to hold them."""
 
-    entries: tuple[tuple[Adapter, float | tuple[float, ...]], ...]  # a tuple: one strength per batch item
+    entries: tuple[Entry, ...]  # a tuple strength: one strength per batch item
     slots: int
     kind: str  # "unet" or "clip"
 
@@ -220,13 +232,54 @@ def current_stack(patcher) -> Stack | None:
     return None
 
 
-def with_stack(patcher, clone, root, entries: list[tuple[Adapter, float]], slots: int, kind: str):
-    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`."""
+def with_stack(patcher, clone, root, entries: list[Entry], slots: int, kind: str):
+    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`. A stack with a
+    schedule also gets the wrapper that tells the bank the sampling progress at every model call."""
     prior = current_stack(patcher)
     merged = list(prior.entries) + entries if prior else entries
-    slots = max(slots, prior.slots if prior else 0, len({id(a) for a, _ in merged}))
+    slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
     clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root)])
+    if kind == "unet":
+        clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+        if any(e.schedule is not None for e in merged):
+            clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
+                                       ProgressWrapper(root))
     return clone
+
+
+class ProgressWrapper:
+    """An APPLY_MODEL wrapper: sets the bank's sampling progress from the call's sigma, then runs the model."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
+                 **kwargs):
+        transformer_options = {} if transformer_options is None else transformer_options
+        bank = self.root.__dict__.get("_lora_engine_bank")
+        if bank is not None:
+            bank.set_progress(sampling_progress(self.root, t, transformer_options))
+        return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+
+def sampling_progress(root, t, transformer_options: dict) -> float:
+    """Step i of n gives i / n, from the sampler's sigma list. Without that list (a sampler that does not
+    go through ComfyUI's CFGGuider), ComfyUI's own percent of this sigma, as hook keyframes use it."""
+    sigma = float(t.reshape(-1)[0]) if torch.is_tensor(t) else float(t)
+    sample_sigmas = transformer_options.get("sample_sigmas")
+    if sample_sigmas is not None and len(sample_sigmas) > 1:
+        return step_progress(sigma, sample_sigmas.reshape(-1).tolist())
+    sampling = getattr(root, "model_sampling", None)
+    if sampling is None:
+        return 0.0
+    lo, hi = 0.0, 1.0  # percent_to_sigma falls as the percent grows
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if sampling.percent_to_sigma(mid) > sigma:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _strength(value) -> float | tuple[float, ...]:
@@ -235,17 +288,62 @@ def _strength(value) -> float | tuple[float, ...]:
     return float(value)
 
 
-def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, strengths_clip: list, max_loras: int):
+@dataclass(frozen=True)
+class Shaping:
+    """An entry's schedule and block weights, each one value or one per batch item (a tuple)."""
+
+    schedule: Schedule | tuple[Schedule | None, ...] | None = None
+    blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
+
+
+def model_blocks(root) -> list:
+    """The diffusion model's blocks, from its layer names, read once per module."""
+    blocks = root.__dict__.get("_multilora_blocks")
+    if blocks is None:
+        blocks = layout(name for name, m in root.named_modules() if hasattr(m, "weight"))
+        root.__dict__["_multilora_blocks"] = blocks
+    return blocks
+
+
+def resolve_blocks(adapter: Adapter, spec: BlockWeights, root, binding) -> tuple[float, dict[str, float]]:
+    """(BASE multiplier, layer name → multiplier) of one block-weight text for this model and adapter."""
+    layers = list(binding.plans) if binding is not None else []
+    try:
+        base, per_block = spec.resolve(model_blocks(root), layout(layers))
+    except ShapingError as e:
+        raise ShapingError(f"{adapter.name}: {e}", path=adapter.path) from None
+    return base, layer_weights(layers, base, per_block)
+
+
+def _model_shaping(adapter, shaping: Shaping | None, root, binding):
+    """The engine's schedule and layer weights for one entry, and the BASE multiplier for its CLIP."""
+    if shaping is None:
+        return None, None, 1.0
+    blocks = shaping.blocks
+    if blocks is None:
+        return shaping.schedule, None, 1.0
+    if isinstance(blocks, tuple):
+        resolved = [None if b is None else resolve_blocks(adapter, b, root, binding) for b in blocks]
+        return shaping.schedule, tuple(None if r is None else r[1] for r in resolved), 1.0
+    base, weights = resolve_blocks(adapter, blocks, root, binding)
+    return shaping.schedule, weights, base
+
+
+def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, strengths_clip: list, max_loras: int,
+                shaping: Sequence[Shaping | None] | None = None):
     """The MODEL and CLIP clones for one stack. A model strength may be a list: one value per batch item
-    (the CLIP's per-item strengths are not supported). Raises before returning anything on any bad entry."""
+    (the CLIP's per-item strengths are not supported). `shaping` holds each entry's schedule and block
+    weights; the text encoder gets an entry's BASE block weight as a factor on its strength, and no
+    schedule. Raises before returning anything on any bad entry."""
     if len(adapters) > max_loras:
         names = ", ".join(a.name for a in adapters)
         raise SlotLimitError(f"the stack has {len(adapters)} entries ({names}) but max_loras is {max_loras}",
                              remedy="raise max_loras (0 sizes it to the stack), or disable entries")
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
+    shaping = list(shaping) if shaping is not None else [None] * len(adapters)
     model_entries, clip_entries = [], []
-    for adapter, sm, sc in zip(adapters, strengths_model, strengths_clip):
+    for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
         on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
         on_clip = _binding(adapter, clip_root, "clip") if clip_root is not None else None
         if on_model is None and on_clip is None:
@@ -253,10 +351,11 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             raise LoRANoMatchError(f"{adapter.name} matches no layer of {target}", path=adapter.path,
                                    remedy="it is probably a LoRA for another model family")
         _log_once(adapter, unet_root, _report(adapter, on_model, on_clip))
+        schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
         if on_model is not None:
-            model_entries.append((adapter, _strength(sm)))
+            model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
         if on_clip is not None:
-            clip_entries.append((adapter, _strength(sc)))
+            clip_entries.append(Entry(adapter, _strength(sc) * base))
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), unet_root, model_entries, max_loras, "unet")
@@ -279,8 +378,22 @@ def loaded_models() -> list[dict]:
         stack = current_stack(patcher)
         out.append({"model": type(patcher.model).__name__, "weight_patches": len(patcher.patches),
                     "weight_backups": len(patcher.backup), "injected": bool(patcher.is_injected),
-                    "stack": [{"name": a.name, "strength": s} for a, s in stack.entries] if stack else []})
+                    "stack": [{"name": e.adapter.name, "strength": e.strength,
+                               "schedule": _describe(e.schedule), "weighted_layers": _count(e.layer_weights)}
+                              for e in stack.entries] if stack else []})
     return out
+
+
+def _describe(schedule) -> str | list | None:
+    if isinstance(schedule, tuple):
+        return [None if s is None else s.describe() for s in schedule]
+    return None if schedule is None else schedule.describe()
+
+
+def _count(weights) -> int | list | None:
+    if isinstance(weights, tuple):
+        return [None if w is None else len(w) for w in weights]
+    return None if weights is None else len(weights)
 
 
 def reports() -> list[dict]:

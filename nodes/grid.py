@@ -22,9 +22,11 @@ AXES = ("x", "y", "z")
 class LoRAStrengthGrid:
     DESCRIPTION = ("Samples a grid of LoRA strengths in one batch: up to three axes, each naming a stack entry "
                    "(by file name, name without extension, or position like #2) and a list of model strengths "
-                   "('0, 0.5, 1', '0:1:0.25' or '0..1/5'). Every cell starts from the same noise as a batch-1 run "
+                   "('0, 0.5, 1', '0:1:0.25' or '0..1/5'), of block weights ('blocks: ALL | IN | OUT') or of "
+                   "schedules ('schedule: 0:1 | 0:1, 1:0'). Every cell starts from the same noise as a batch-1 run "
                    "with the same seed. Connect the outputs to KSampler, then VAEDecode, then LoRAGridImage. "
-                   "Per-item CLIP strengths are not applied: the text encoder gets each entry's strength_clip.")
+                   "Per-item CLIP strengths are not applied: the text encoder gets each entry's strength_clip, "
+                   "times the BASE of the entry's own block weights (not those of an axis).")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL", "CLIP", "LATENT", "LORA_GRID")
     RETURN_NAMES = ("model", "clip", "latent", "grid")
@@ -44,7 +46,9 @@ class LoRAStrengthGrid:
                                              "without extension, or its position (#1 is the first). Empty: unused."})
             axis[f"{a}_values"] = ("STRING", {"default": "0, 0.5, 1" if a == "x" else "", "tooltip":
                                               "Model strengths: '0, 0.25, 0.5, 1', 'start:stop:step' (stop "
-                                              "included) or 'start..stop/count'."})
+                                              "included) or 'start..stop/count'. Or block weights "
+                                              "'blocks: ALL | IN | IN04=0' or schedules 'schedule: 0:1 | 0:0, "
+                                              "1:1' ('schedule step: …' for step interpolation), split by '|'."})
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The base diffusion model (not a MultiLoRALoader output: the grid "
@@ -60,12 +64,12 @@ class LoRAStrengthGrid:
 
     @classmethod
     def VALIDATE_INPUTS(cls, **kw):
-        from lora_engine.grid import parse_values
+        from lora_engine.grid import parse_axis
         for a in AXES:
             ref, text = kw.get(f"{a}_entry"), kw.get(f"{a}_values")
             if isinstance(ref, str) and isinstance(text, str) and ref.strip():
                 try:
-                    parse_values(text, f"{a} axis")
+                    parse_axis(text, f"{a} axis")
                 except GridError as e:
                     return str(e)
         return True
@@ -84,9 +88,14 @@ class LoRAStrengthGrid:
         per_batch = min(max_batch, bridge.cells_that_fit(model, samples))
         models, latents = [], []
         new_clip = clip
+        own_schedules, own_blocks = [e.schedule for e in items], [e.blocks for e in items]
         for start, stop in spec.chunks(per_batch):
             table = spec.table(start, stop)
-            m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], len(items))
+            schedules = spec.shaped_table(start, stop, "schedule", own_schedules)
+            blocks = spec.shaped_table(start, stop, "blocks", own_blocks)
+            shaping = [None if s is None and b is None else bridge.Shaping(s, b) for s, b in zip(schedules, blocks)]
+            m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], len(items),
+                                      shaping)
             models.append(m)
             new_clip = c
             n = stop - start
@@ -128,8 +137,17 @@ class LoRAGridImage:
         return (torch.from_numpy(render(desc, cells)).unsqueeze(0),)
 
 
-def _label(v: float) -> str:
-    return f"{v:g}"
+def _label(v) -> str:
+    return v if isinstance(v, str) else f"{v:g}"
+
+
+def _fit(font, text: str, width: float) -> str:
+    """`text`, shortened with an ellipsis to fit `width` pixels."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
 
 
 def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
@@ -140,15 +158,16 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     size = max(12, min(24, w // 10))
     font = ImageFont.load_default(size=size)
     pad = size // 2
-    left = (int(size * 6) if axes[1] else 0) + pad
+    ylabels = [_label(v) for v in axes[1]["values"]] if axes[1] else []
+    left = (int(min(max(font.getlength(t) for t in ylabels), size * 14)) + pad if ylabels else 0) + pad
     line = size + pad
-    varied = {a["entry"] for a in desc["axes"]}
+    varied = {a["entry"] for a in desc["axes"] if a.get("kind", "strength") == "strength"}
     fixed = [f"{n} @ {_label(s)}" for i, (n, s) in enumerate(zip(desc["names"], desc["base"])) if i not in varied]
     title = "   |   ".join(f"{k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
     header = [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])
     panel_h = line + y * h
     top = len(header) * line + pad
-    width = left + x * w + pad
+    width = max(left + x * w + pad, *(int(font.getlength(t)) + 2 * pad for t in header))
     height = top + z * (panel_h + (line if axes[2] else 0)) + pad
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
@@ -161,10 +180,11 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
             draw.text((pad, oy), f"{axes[2]['label']} = {_label(axes[2]['values'][k])}", fill="black", font=font)
             oy += line
         for i in range(x):
-            draw.text((left + i * w + pad, oy), f"{_label(axes[0]['values'][i])}", fill="black", font=font)
+            draw.text((left + i * w + pad, oy), _fit(font, _label(axes[0]['values'][i]), w - pad), fill="black",
+                      font=font)
         for j in range(y):
             if axes[1]:
-                draw.text((pad, oy + line + j * h + h // 2 - size // 2), _label(axes[1]["values"][j]),
+                draw.text((pad, oy + line + j * h + h // 2 - size // 2), _fit(font, ylabels[j], left - pad),
                           fill="black", font=font)
             for i in range(x):
                 cell = pixels[i + j * x + k * x * y]

@@ -10,7 +10,8 @@ class MultiLoRALoader:
     DESCRIPTION = ("Applies a LoRA stack at runtime: the base weights are never modified and no weight backups "
                    "are kept. Every entry (a 0.0 strength too) holds a slot on the compute device, so moving a "
                    "strength re-patches nothing and reads no file. The LoRAs also go to the text encoder when a "
-                   "CLIP is connected.")
+                   "CLIP is connected. Schedules and block weights from LoRAStrengthSchedule and LoRABlockWeights "
+                   "are applied here; a block vector that does not fit the model is refused before sampling.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL", "CLIP")
     OUTPUT_TOOLTIPS = ("The model with the stack applied at runtime (a clone; the input is unchanged).",
@@ -43,5 +44,5 @@ class MultiLoRALoader:
         adapters = bridge.load_loras([e.name for e in items])
         new_model, new_clip = bridge.apply_stack(
             model, clip, adapters, [e.strength_model for e in items], [e.strength_clip for e in items],
-            max_loras or len(items))
+            max_loras or len(items), [e.shaping() for e in items])
         return (new_model, new_clip)

@@ -1,14 +1,19 @@
 """LORA_STACK: a list of (lora_name, strength_model, strength_clip) 3-tuples.
 
 This is the convention of Comfyroll, Efficiency Nodes and LoRA Manager, so their
-stacks plug into ours and ours into theirs.
+stacks plug into ours and ours into theirs. An entry with a schedule or block
+weights is a `StackItem`: still a 3-tuple to other packs, with the shaping as
+attributes that only this pack reads.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from lora_engine.blocks import BlockWeights
+from lora_engine.schedule import Schedule
 
 from . import bridge
 
@@ -21,6 +26,28 @@ class Entry:
     name: str
     strength_model: float
     strength_clip: float
+    schedule: Schedule | None = None
+    blocks: BlockWeights | None = None
+
+    def shaping(self) -> bridge.Shaping | None:
+        if self.schedule is None and self.blocks is None:
+            return None
+        return bridge.Shaping(self.schedule, self.blocks)
+
+    def with_shaping(self, **changes) -> Entry:
+        return replace(self, **changes)
+
+
+class StackItem(tuple):
+    """(lora_name, strength_model, strength_clip), carrying a schedule and block weights as attributes."""
+
+    schedule: Schedule | None
+    blocks: BlockWeights | None
+
+    def __new__(cls, name, strength_model, strength_clip, schedule=None, blocks=None):
+        item = super().__new__(cls, (name, strength_model, strength_clip))
+        item.schedule, item.blocks = schedule, blocks
+        return item
 
 
 class StackError(ValueError):
@@ -51,12 +78,15 @@ def entries(stack) -> list[Entry]:
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
             if not is_strength(v):
                 raise StackError(f"lora_stack entry {i} ({name}): {field} must be a finite number, got {v!r}")
-        out.append(Entry(name, float(sm), float(sc)))
+        schedule, blocks = getattr(item, "schedule", None), getattr(item, "blocks", None)
+        out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, Schedule) else None,
+                         blocks if isinstance(blocks, BlockWeights) else None))
     return out
 
 
 def as_stack(items: list[Entry]) -> list[tuple[str, float, float]]:
-    return [(e.name, e.strength_model, e.strength_clip) for e in items]
+    return [(e.name, e.strength_model, e.strength_clip) if e.shaping() is None else
+            StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks) for e in items]
 
 
 class LoRAStack:

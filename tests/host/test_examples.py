@@ -1,6 +1,7 @@
 """Every example workflow is valid against the real server's /object_info: node classes, input names,
 required inputs, link targets and socket types; and each UI-format file matches its API twin.
-(multilora_api.json and lora_grid_api.json are also executed by test_multilora.py and test_grid.py;
+(multilora_api.json, lora_grid_api.json and shaping_api.json are also executed by test_multilora.py,
+test_grid.py and test_shaping.py;
 the Wan2.2 example needs real Wan weights, so it is validated here but not run.)"""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def object_info(server):
 
 
 def test_there_are_examples():
-    assert {"multilora_api.json", "lora_grid_api.json", "wan22_distill_api.json"} <= set(API_FILES)
+    assert {"multilora_api.json", "lora_grid_api.json", "shaping_api.json", "wan22_distill_api.json"} <= set(API_FILES)
 
 
 @pytest.mark.parametrize("name", API_FILES)

@@ -1,0 +1,129 @@
+"""Strength schedules over the sampling progress.
+
+A schedule is a list of keyframes `progress:multiplier` with progress in 0…1:
+
+    0:1.0, 0.6:1.0, 1.0:0.2        strong early, faded late (linear)
+    0:0, 0.5:1                     off for the first half, on for the second (step)
+
+Before the first keyframe the first value holds, after the last the last value
+holds. With `step` interpolation a keyframe's value holds until the next one.
+The multiplier scales the entry's strength, so `0:1` is the plain strength.
+
+The progress of a model call is its step: step i of n has progress i / n. It is
+found from the call's sigma and the sampler's sigma list, so a sampler that
+evaluates the model between two sigmas of the list (Heun, DPM-2) keeps the step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import ShapingError
+
+MODES = ("linear", "step")
+MAX_KEYFRAMES = 256
+_PAIR = re.compile(r"^\s*([^:\s]+)\s*:\s*([^:\s]+)\s*$")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Multipliers over progress 0…1; `at(p)` is one multiplier."""
+
+    points: tuple[float, ...]
+    values: tuple[float, ...]
+    mode: str = "linear"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ShapingError(f"schedule interpolation {self.mode!r} is not one of {', '.join(MODES)}")
+        if not self.points or len(self.points) != len(self.values):
+            raise ShapingError("a schedule needs at least one keyframe")
+        if any(b < a for a, b in zip(self.points, self.points[1:])):
+            raise ShapingError(f"schedule keyframes must be in increasing progress order, got {list(self.points)}")
+
+    @classmethod
+    def parse(cls, text: str, mode: str = "linear") -> Schedule:
+        """`p:v, p:v, …` (commas, semicolons or new lines between keyframes)."""
+        s = (text or "").strip()
+        if not s:
+            raise ShapingError("the schedule is empty; write keyframes like '0:1.0, 0.6:1.0, 1.0:0.2'")
+        parts = [p for p in re.split(r"[,;\n]+", s) if p.strip()]
+        if len(parts) > MAX_KEYFRAMES:
+            raise ShapingError(f"the schedule has {len(parts)} keyframes; at most {MAX_KEYFRAMES}")
+        points, values = [], []
+        for part in parts:
+            m = _PAIR.match(part)
+            if not m:
+                raise ShapingError(f"schedule keyframe {part.strip()!r} is not 'progress:multiplier', "
+                                   "e.g. '0.5:1.0'")
+            p, v = _finite(m[1], part), _finite(m[2], part)
+            if not 0.0 <= p <= 1.0:
+                raise ShapingError(f"schedule keyframe {part.strip()!r}: progress must be within 0…1")
+            if abs(v) > 100:
+                raise ShapingError(f"schedule keyframe {part.strip()!r}: multiplier must be within -100…100")
+            points.append(p)
+            values.append(v)
+        return cls(tuple(points), tuple(values), mode)
+
+    @classmethod
+    def from_values(cls, values: Sequence[float], mode: str = "linear") -> Schedule:
+        """n values as n equal segments of the progress: value i starts at progress i / n. With `step`
+        interpolation and n equal to the step count, value i is exactly step i's multiplier."""
+        vals = [float(v) for v in values]
+        if not vals:
+            raise ShapingError("the FLOAT list for the schedule is empty")
+        if len(vals) > MAX_KEYFRAMES:
+            raise ShapingError(f"the FLOAT list has {len(vals)} values; at most {MAX_KEYFRAMES}")
+        if not all(math.isfinite(v) and abs(v) <= 100 for v in vals):
+            raise ShapingError("every value of the FLOAT list must be a finite multiplier within -100…100")
+        n = len(vals)
+        return cls(tuple(i / n for i in range(n)), tuple(vals), mode)
+
+    @property
+    def constant(self) -> float | None:
+        """The multiplier when it never changes, else None."""
+        return self.values[0] if len(set(self.values)) == 1 else None
+
+    def at(self, progress: float) -> float:
+        pts, vals = self.points, self.values
+        i = bisect.bisect_right(pts, progress) - 1
+        if i < 0:
+            return vals[0]
+        if i >= len(pts) - 1 or self.mode == "step":
+            return vals[i]
+        p0, p1 = pts[i], pts[i + 1]
+        if p1 == p0:
+            return vals[i + 1]
+        t = (progress - p0) / (p1 - p0)
+        return vals[i] + (vals[i + 1] - vals[i]) * t
+
+    def describe(self) -> str:
+        return ", ".join(f"{p:g}:{v:g}" for p, v in zip(self.points, self.values)) + \
+            ("" if self.mode == "linear" else " (step)")
+
+
+def _finite(text: str, part: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ShapingError(f"schedule keyframe {part.strip()!r}: {text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise ShapingError(f"schedule keyframe {part.strip()!r}: {text!r} is not finite")
+    return v
+
+
+def step_progress(sigma: float, sample_sigmas: Sequence[float]) -> float:
+    """The progress i / n of the step whose interval [sigmas[i+1], sigmas[i]] holds `sigma`; a sigma at a
+    list entry belongs to the step that starts there. `sample_sigmas` has n + 1 entries, descending."""
+    n = len(sample_sigmas) - 1
+    if n < 1:
+        return 0.0
+    tol = 1e-5 * max(abs(sigma), 1e-8)
+    i = 0
+    while i + 1 < n and sample_sigmas[i + 1] >= sigma - tol:
+        i += 1
+    return i / n

@@ -1,0 +1,158 @@
+"""LoRAStrengthSchedule and LoRABlockWeights: shape one stack entry over the steps or over the blocks.
+
+Both only attach numbers to an entry of the stack. MultiLoRALoader (or LoRAStrengthGrid)
+turns them into the engine's scale tensor: a write before each model call for a schedule,
+a per-layer factor for block weights. Nothing is re-patched, reloaded or recompiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lora_engine.blocks import BlockWeights
+from lora_engine.errors import ShapingError
+from lora_engine.grid import GridError, find_entry
+from lora_engine.schedule import MODES, Schedule
+
+from .stack import CATEGORY, StackError, as_stack, entries
+
+ENTRY = ("STRING", {"default": "", "tooltip": "The stack entry to shape: its file name, its name without "
+                    "extension, or its position (#1 is the first). Empty: the last entry, the one just added."})
+PRESETS = ("custom", "ALL", "NONE", "IN", "NO-IN", "MID", "NO-MID", "OUT", "NO-OUT", "DOUBLE", "NO-DOUBLE",
+           "SINGLE", "NO-SINGLE", "FIRST-HALF", "SECOND-HALF")
+
+
+def _target(items, ref: str, what: str) -> int:
+    if not items:
+        raise ValueError(f"{what}: the stack is empty; connect a LoRAStack first")
+    if not (ref or "").strip():
+        return len(items) - 1
+    try:
+        return find_entry([e.name for e in items], ref, what)
+    except GridError as e:
+        raise ValueError(str(e)) from None
+
+
+def _first(v):
+    return v[0] if isinstance(v, list) else v
+
+
+def _floats(values) -> list[float] | None:
+    """A FLOAT input that may be one number, a list, or a list of lists (from a node with list outputs)."""
+    if values is None:
+        return None
+    out = []
+    stack = list(values) if isinstance(values, (list, tuple)) else [values]
+    while stack:
+        v = stack.pop(0)
+        if isinstance(v, (list, tuple)):
+            stack[:0] = list(v)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"values: {v!r} is not a finite number")
+        else:
+            out.append(float(v))
+    return out
+
+
+class LoRAStrengthSchedule:
+    DESCRIPTION = ("Schedules one stack entry's strength over the sampling steps: keyframes 'progress:multiplier' "
+                   "with progress 0…1 (step i of n is i/n), e.g. '0:1.0, 0.6:1.0, 1.0:0.2' fades the LoRA in the "
+                   "last 40% of the steps. The multiplier scales strength_model. The LoRA stays in its slot the "
+                   "whole time; each step only writes its strength. The text encoder keeps strength_clip.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LORA_STACK",)
+    RETURN_NAMES = ("lora_stack",)
+    OUTPUT_TOOLTIPS = ("The stack with the schedule on that entry, for MultiLoRALoader or LoRAStrengthGrid.",)
+    FUNCTION = "schedule"
+    INPUT_IS_LIST = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "lora_stack": ("LORA_STACK", {"tooltip": "The stack that holds the entry."}),
+                "entry": ENTRY,
+                "keyframes": ("STRING", {"default": "0:1.0, 0.6:1.0, 1.0:0.2", "tooltip":
+                                         "'progress:multiplier' pairs, progress 0…1 in increasing order. Before "
+                                         "the first and after the last keyframe its value holds."}),
+                "interpolation": (list(MODES), {"tooltip": "linear: ramps between keyframes. step: a keyframe's "
+                                                "value holds until the next keyframe."}),
+            },
+            "optional": {
+                "values": ("FLOAT", {"forceInput": True, "tooltip": "A FLOAT list from another node, used "
+                                     "instead of keyframes: n values split the steps into n equal parts (with "
+                                     "step interpolation and n = steps, one value per step)."}),
+            },
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, keyframes=None, interpolation=None, **_):
+        keyframes, interpolation = _first(keyframes), _first(interpolation)  # lists: INPUT_IS_LIST
+        if isinstance(keyframes, str) and isinstance(interpolation, str):
+            try:
+                Schedule.parse(keyframes, interpolation)
+            except ShapingError as e:
+                return str(e)
+        return True
+
+    def schedule(self, lora_stack, entry, keyframes, interpolation, values=None):
+        stack, ref, text, mode = (_first(v) for v in (lora_stack, entry, keyframes, interpolation))
+        try:
+            items = entries(stack)
+            numbers = _floats(values)
+            sched = Schedule.from_values(numbers, mode) if numbers else Schedule.parse(text, mode)
+        except (StackError, ShapingError) as e:
+            raise ValueError(str(e)) from None
+        i = _target(items, ref, "entry")
+        items[i] = items[i].with_shaping(schedule=sched)
+        return (as_stack(items),)
+
+
+class LoRABlockWeights:
+    DESCRIPTION = ("Weights one stack entry per model block. A preset (ALL, NONE, IN, MID, OUT and NO-… for "
+                   "SD1.5/SDXL; DOUBLE, SINGLE and NO-… for Flux; FIRST-HALF, SECOND-HALF for DiTs), or with "
+                   "preset 'custom' the text in 'weights': named (IN04=0, OUT03-05=0.5, MID=0, BASE=1, default=1) "
+                   "or an Inspire Pack vector (BASE, then one value per block the LoRA touches). BASE covers "
+                   "layers outside the blocks and also scales strength_clip. The multipliers combine with the "
+                   "entry's strength and schedule; zeroed blocks cost nothing at runtime.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LORA_STACK",)
+    RETURN_NAMES = ("lora_stack",)
+    OUTPUT_TOOLTIPS = ("The stack with block weights on that entry, for MultiLoRALoader or LoRAStrengthGrid.",)
+    FUNCTION = "weights"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "lora_stack": ("LORA_STACK", {"tooltip": "The stack that holds the entry."}),
+                "entry": ENTRY,
+                "preset": (list(PRESETS), {"tooltip": "A block preset; the model's family decides which exist "
+                                           "(a preset the model lacks is refused when the loader runs). "
+                                           "'custom' uses the weights text."}),
+                "weights": ("STRING", {"default": "1,0,0,0,0,0,0,0,1,1,1,1,1,1,1,1,1", "multiline": True,
+                                       "tooltip": "Used with preset 'custom'. Named: 'IN04=0, OUT=0.5' (blocks "
+                                       "not named keep 'default', 1). Vector: BASE and one value per block the "
+                                       "LoRA touches, in model order (Inspire Pack's layout; 'NAME:1,0,…' lines "
+                                       "are accepted), or BASE and one value per block of the model."}),
+            },
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, preset=None, weights=None, **_):
+        if preset == "custom" and isinstance(weights, str):
+            try:
+                BlockWeights.parse(weights)
+            except ShapingError as e:
+                return str(e)
+        return True
+
+    def weights(self, lora_stack, entry, preset, weights):
+        try:
+            items = entries(lora_stack)
+            spec = BlockWeights.parse(weights if preset == "custom" else preset)
+        except (StackError, ShapingError) as e:
+            raise ValueError(str(e)) from None
+        i = _target(items, entry, "entry")
+        items[i] = items[i].with_shaping(blocks=spec)
+        return (as_stack(items),)
