@@ -8,7 +8,9 @@ adapters at rank 32:
 - the cost of a strength change, against re-fusing the weights (restore each
   weight from its backup, then add s·ΔW of every adapter in fp32, as a fusing
   loader does after a slider move);
-- the activation cost for adapters already in the warm cache.
+- the activation cost for adapters already in the warm cache;
+- the step time with one adapter live and the other k − 1 warm at strength 0 (their slots are
+  cut from the GEMMs, so this should match k = 1).
 
     python bench/engine_bench.py                   # CPU defaults
     python bench/engine_bench.py --device cuda --blocks 19 --tokens 4096 --dtype bf16
@@ -135,7 +137,7 @@ def main() -> None:
         base = timed(lambda: model(x), device, args.repeat)
     print(f"\nbase step: {base * 1e3:.1f} ms\n")
     header = (f"{'k':>2} | {'step ms':>8} | {'vs base':>7} | {'strength change':>15} | {'re-fuse':>9} | "
-              f"{'re-fuse / change':>16} | {'activate (warm cache)':>21}")
+              f"{'re-fuse / change':>16} | {'activate (warm cache)':>21} | {'1 live + k-1 at 0':>17}")
     print(header)
     print("-" * len(header))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -160,13 +162,17 @@ def main() -> None:
             step = timed(lambda: model(x), device, args.repeat)
         values = iter([0.5, 0.75] * 10000)
         change = timed(lambda: bank.set_strength(chosen[0], next(values)), device, 50)
+        bank.activate([(a, 1.0 if i == 0 else 0.0) for i, a in enumerate(chosen)])
+        with torch.inference_mode():
+            warm = timed(lambda: model(x), device, args.repeat)
         bank.release()
         with torch.no_grad():
             refuse_t = timed(lambda: refuse(linears, backups, chosen, next(values)), device, 1)
             for n, m in linears.items():
                 m.weight.copy_(backups[n])
         print(f"{k:>2} | {step * 1e3:8.1f} | {step / base:6.3f}x | {change * 1e3:12.3f} ms | "
-              f"{refuse_t:7.2f} s | {refuse_t / change:15.0f}x | {statistics.median(activations) * 1e3:18.1f} ms")
+              f"{refuse_t:7.2f} s | {refuse_t / change:15.0f}x | {statistics.median(activations) * 1e3:18.1f} ms | "
+              f"{warm / base:16.3f}x")
     print(f"\ncache: {cache.stats()}")
 
 

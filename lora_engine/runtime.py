@@ -92,18 +92,26 @@ def _dense(module_op, x, geom, delta, s):
 
 
 def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`out` plus every active slot's contribution; `layer` is the module's `LayerSlots`."""
+    """`out` plus every live slot's contribution; `layer` is the module's `LayerSlots`. Only the low-rank
+    slots 0..hi-1 enter the GEMMs (a slot below hi with strength 0 adds exact zeros)."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
-    if layer.a is not None and layer.lr_used:
+    hi = layer.hi
+    if hi:
+        rows = hi * layer.rank
+        a, b, s = layer.a[:rows], layer.b[:, :rows], scale[..., :hi]
         if geom.conv_dims == 0:
-            out = _lr_linear(xd, layer.a, layer.b, layer.n, scale, out)
+            out = _lr_linear(xd, a, b, hi, s, out)
         else:
-            out = _lr_conv(xd, geom, layer.a, layer.b, layer.n, scale, out)
+            out = _lr_conv(xd, geom, a, b, hi, s, out)
     for slot, delta in layer.dense.items():
+        if slot in layer.dead:
+            continue
         s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
         out = _inplace_add(out, _dense(module, xd, geom, delta, s).to(out.dtype))
     for slot, bias in layer.bias.items():
+        if slot in layer.dead:
+            continue
         s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
         shape = (-1,) if geom.conv_dims == 0 else (-1,) + (1,) * geom.conv_dims
         out = _inplace_add(out, (bias.reshape(shape) * s).to(out.dtype))

@@ -10,8 +10,12 @@ its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
 or [batch, N]; changing them is a tensor write.
 
 Strength shaping changes numbers only: a schedule multiplies a slot's strength
-at each `set_progress`, and layer weights give a layer its own factor per slot
-(a layer whose factors are all 0 is skipped).
+at each `set_progress`, and layer weights give a layer its own factor per slot.
+
+Each layer computes only its live slots: those it holds whose strength (times
+its factor) is not 0 for some batch item. Trailing dead slots are cut from the
+GEMMs, dead dense slots are skipped, and a layer with none live returns at once;
+warm slots at strength 0 cost nothing per step.
 """
 
 from __future__ import annotations
@@ -77,7 +81,10 @@ class LayerSlots:
         self.dense: dict[int, torch.Tensor] = {}
         self.bias: dict[int, torch.Tensor] = {}
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
-        self.muted = False  # every factor is 0
+        self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
+        self.hi = 0  # the low-rank slots 0..hi-1 are computed: hi - 1 is the last live one
+        self.dead: set[int] = set()  # dense or bias slots whose strength is 0
+        self.idle = True  # no live slot at all
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
 
     @property
@@ -90,13 +97,21 @@ class LayerSlots:
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank
-        if not bank.active or bank.all_zero or self.empty or self.muted:
+        if not bank.active or bank.all_zero or self.idle:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
         scale = bank.scale if self.factor is None else bank.scale * self.factor
         return runtime.apply(self, module, x, out, scale)
+
+    def set_live(self, live: list[bool]) -> None:
+        """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
+        lr = [s for s in self.lr_used if live[s]]
+        self.hi = max(lr) + 1 if lr else 0
+        extra = set(self.dense) | set(self.bias)
+        self.dead = {s for s in extra if not live[s]}
+        self.idle = not lr and not (extra - self.dead)
 
     def ensure_rank(self, rank: int) -> None:
         if rank <= self.rank:
@@ -157,6 +172,7 @@ class SlotBank:
         self._table = torch.zeros(max_loras)  # unscheduled strengths on the host, [N] or [batch, N]
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
+        self._live_key: bytes | None = None  # the zero pattern the layers' live slots were found for
         self.all_zero = True
         self.active = False
         self.lock = threading.RLock()
@@ -250,6 +266,7 @@ class SlotBank:
                                if e.schedule is not None}
             self._set_layer_weights({slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
                                      if e.layer_weights is not None}, batch)
+            self._live_key = None  # slots and layers changed: find the live slots again
             self._set_strengths({slot_of[j]: strengths[:, j] if batch is not None else strengths[j]
                                  for j in range(len(wanted))}, batch=batch)
             self.active = True
@@ -428,6 +445,22 @@ class SlotBank:
             self._item_strengths.copy_(values)
             self.scale = self._item_strengths
         self.all_zero = not bool(values.any())
+        self._refresh_live(values)
+
+    def _refresh_live(self, values: torch.Tensor) -> None:
+        """Tell every layer its live slots; skipped when the zero pattern of the strengths is unchanged."""
+        nonzero = values != 0
+        key = bytes(nonzero.reshape(-1).tolist()) + bytes(nonzero.shape)
+        if key == self._live_key:
+            return
+        self._live_key = key
+        shared = (nonzero.any(0) if nonzero.dim() == 2 else nonzero).tolist()
+        for layer in self.layers.values():
+            if layer.factor_host is None:
+                layer.set_live(shared)
+            else:
+                own = (values * layer.factor_host) != 0
+                layer.set_live((own.any(0) if own.dim() == 2 else own).tolist())
 
     def _set_layer_weights(self, weights: dict[int, LayerWeights | tuple], batch: int | None) -> None:
         """Per-layer factors for the slots that have layer weights; every other layer and slot has 1."""
@@ -444,9 +477,9 @@ class SlotBank:
                 if factor is None:
                     factor = torch.ones((self.max_loras,) if rows is None else (rows, self.max_loras))
                 factor[..., slot] = torch.tensor(values) if per_item else values[0]
-            layer.muted = factor is not None and not bool(factor[..., sorted(layer.lr_used | set(layer.dense) |
-                                                                               set(layer.bias))].any())
+            layer.factor_host = factor
             layer.factor = None if factor is None else factor.to(device=self.device, dtype=self.dtype)
+        self._live_key = None
 
 
 _BANKS: weakref.WeakSet[SlotBank] = weakref.WeakSet()

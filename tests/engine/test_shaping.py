@@ -183,7 +183,7 @@ def test_zero_layer_weights_equal_a_file_without_those_layers(tmp_path):
     ref = out(model, x)
     bank.activate([Entry(full, 0.9, layer_weights={"attn.to_q": 0.0, "ff": 0.0})])
     assert torch.equal(out(model, x), ref)
-    assert bank.layers["ff"].muted and not bank.layers["proj"].muted
+    assert bank.layers["ff"].idle and not bank.layers["proj"].idle
 
 
 def test_layer_weights_scale_one_layer(adapter):
@@ -209,6 +209,29 @@ def test_per_item_layer_weights_equal_separate_runs(adapter):
     for i, w in enumerate(items):
         bank.activate([Entry(adapter, 0.8, layer_weights=w)])
         assert torch.allclose(got[i], out(model, x)[i], atol=1e-6), i
+
+
+def test_warm_zero_slots_are_not_computed(tmp_path):
+    model = lf.tiny()
+    a = load_adapter(lf.write(tmp_path, "a.safetensors", lf.lora_tensors(model, "kohya", 3, rank=3)), name="a")
+    b = load_adapter(lf.write(tmp_path, "b.safetensors", lf.lora_tensors(model, "peft", 4, rank=2)), name="b")
+    x = lf.tiny_input(batch=2)
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, 0.7)])
+    alone = out(model, x)
+    bank.activate([(a, 0.7), (b, 0.0)])
+    layer = bank.layers["proj"]
+    assert layer.hi == 1 and layer.lr_used == {0, 1}  # b's slot is warm but cut from the GEMMs
+    assert torch.equal(out(model, x), alone)
+    bank.activate([(a, 0.0), (b, 0.0)])
+    assert all(layer.idle for layer in bank.layers.values()) and bank.all_zero
+    bank.activate([(a, 0.0), (b, [0.0, 0.5])])  # per item: live when any item is not 0
+    assert layer.hi == 2
+    per_item = out(model, x)
+    bank.activate([(b, 0.5)])
+    assert torch.allclose(per_item[1], out(model, x)[1], atol=1e-6)
+    bank.activate([(b, 0.0)])
+    assert torch.equal(per_item[0], out(model, x)[0])
 
 
 def test_shaped_duplicate_and_mismatched_items_are_refused(adapter):
