@@ -91,12 +91,15 @@ def _dense(module_op, x, geom, delta, s):
     return _CONV[geom.conv_dims](x, delta, None, geom.stride, padding, geom.dilation, geom.groups) * s
 
 
-def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor,
+          every_slot: bool = False) -> torch.Tensor:
     """`out` plus every live slot's contribution; `layer` is the module's `LayerSlots`. Only the low-rank
-    slots 0..hi-1 enter the GEMMs (a slot below hi with strength 0 adds exact zeros)."""
+    slots 0..hi-1 enter the GEMMs (a slot below hi with strength 0 adds exact zeros). `every_slot`
+    computes every held slot, whatever its strength: a graph that does not depend on the strengths."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
-    hi = layer.hi
+    hi = layer.n if every_slot and layer.lr_used else layer.hi
+    dead = set() if every_slot else layer.dead
     if hi:
         rows = hi * layer.rank
         a, b, s = layer.a[:rows], layer.b[:, :rows], scale[..., :hi]
@@ -105,12 +108,12 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
         else:
             out = _lr_conv(xd, geom, a, b, hi, s, out)
     for slot, delta in layer.dense.items():
-        if slot in layer.dead:
+        if slot in dead:
             continue
         s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
         out = _inplace_add(out, _dense(module, xd, geom, delta, s).to(out.dtype))
     for slot, bias in layer.bias.items():
-        if slot in layer.dead:
+        if slot in dead:
             continue
         s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
         shape = (-1,) if geom.conv_dims == 0 else (-1,) + (1,) * geom.conv_dims

@@ -15,7 +15,8 @@ at each `set_progress`, and layer weights give a layer its own factor per slot.
 Each layer computes only its live slots: those it holds whose strength (times
 its factor) is not 0 for some batch item. Trailing dead slots are cut from the
 GEMMs, dead dense slots are skipped, and a layer with none live returns at once;
-warm slots at strength 0 cost nothing per step.
+warm slots at strength 0 cost nothing per step. Under torch.compile every held
+slot is computed instead, so that no strength change recompiles the graph.
 """
 
 from __future__ import annotations
@@ -97,13 +98,16 @@ class LayerSlots:
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank
-        if not bank.active or bank.all_zero or self.idle:
+        # Under torch.compile every held slot is computed: skipping by strength would make the graph
+        # depend on which strengths are 0, and recompile when a slider crosses 0.
+        compiling = torch.compiler.is_compiling()
+        if not bank.active or self.empty or (not compiling and (bank.all_zero or self.idle)):
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
         scale = bank.scale if self.factor is None else bank.scale * self.factor
-        return runtime.apply(self, module, x, out, scale)
+        return runtime.apply(self, module, x, out, scale, every_slot=compiling)
 
     def set_live(self, live: list[bool]) -> None:
         """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
