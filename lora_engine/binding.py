@@ -80,17 +80,24 @@ class ModulePlan:
         """A [R, in, *k] and B [out, R] (scale folded in) for the whole module, slices placed."""
         g = self.geometry
         parts = [p for p in self.pieces if p.patch.weight is not None]
-        rank = sum(p.patch.weight.rank for p in parts)
-        a = torch.empty((rank, g.in_features, *g.kernel), dtype=dtype)
-        b = torch.zeros((g.out_features, rank), dtype=dtype)
-        at = 0
-        for p in parts:
-            w = p.patch.weight
-            a[at:at + w.rank] = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
-            start, size = p.out_slice or (0, g.out_features)
-            b[start:start + size, at:at + w.rank] = p.order(w.scaled_up()).to(dtype)
-            at += w.rank
-        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        if len(parts) == 1 and parts[0].out_slice is None:  # one piece over the whole layer: no assembly
+            w = parts[0].patch.weight
+            a = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
+            b = parts[0].order(w.scaled_up()).to(dtype)
+        else:
+            rank = sum(p.patch.weight.rank for p in parts)
+            a = torch.empty((rank, g.in_features, *g.kernel), dtype=dtype)
+            b = torch.zeros((g.out_features, rank), dtype=dtype)
+            at = 0
+            for p in parts:
+                w = p.patch.weight
+                a[at:at + w.rank] = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
+                start, size = p.out_slice or (0, g.out_features)
+                b[start:start + size, at:at + w.rank] = p.order(w.scaled_up()).to(dtype)
+                at += w.rank
+        # The reader has checked every stored tensor; A can only overflow when cast into a narrower range.
+        narrower = any(_max(p.patch.weight.down.dtype) > _max(dtype) for p in parts)
+        if not (bool(torch.isfinite(b).all()) and (not narrower or bool(torch.isfinite(a).all()))):
             raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
                                  remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
         return a, b
@@ -263,3 +270,7 @@ def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tens
     if t.dim() < 2 or a.dim() != 2 or b.dim() != 2 or t.shape[0] != a.shape[0] or t.shape[1] != b.shape[0]:
         return None
     return (a.shape[1], b.shape[1], *t.shape[2:])
+
+
+def _max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max if dtype.is_floating_point else float("inf")

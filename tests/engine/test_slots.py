@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_engine import SlotBank, SlotLimitError, load_adapter
+from lora_engine import NonFiniteError, SlotBank, SlotLimitError, load_adapter
 
 from . import lora_files as lf
 
@@ -214,3 +214,16 @@ def test_a_bank_does_not_keep_evicted_adapters_alive(tmp_path):
     gc.collect()
     alive = sum(r() is not None for r in refs)
     assert alive <= 2 + 1 + SlotBank.BINDINGS_KEPT  # cached + resident + the few recent bindings
+
+
+@pytest.mark.parametrize("where", ["down", "up"])
+def test_factors_that_overflow_the_model_dtype_are_refused(tmp_path, where):
+    model = lf.tiny().half()
+    tensors = lf.lora_tensors(lf.tiny(), "kohya", 5, rank=2)
+    key = next(k for k in tensors if k.endswith(f"lora_{where}.weight"))
+    tensors[key] = tensors[key].float() * 1e6  # finite in the file's fp32, past fp16's 65504 in the model
+    adapter = load_adapter(lf.write(tmp_path, "big.safetensors", tensors), name="big")
+    bank = SlotBank(model, max_loras=1)
+    with pytest.raises(NonFiniteError, match="not finite in torch.float16"):
+        bank.activate([(adapter, 1.0)])
+    assert bank.slots == [None]
