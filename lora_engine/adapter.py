@@ -27,11 +27,15 @@ class FileIdentity:
 
     @classmethod
     def of(cls, path: str) -> FileIdentity:
+        if not isinstance(path, (str, os.PathLike)) or "\x00" in os.fspath(path):
+            raise LoRAFileError("refused path (not a path, or a NUL byte in it)", path=repr(path)[:80])
         real = os.path.realpath(path)
         try:
             st = os.stat(real)
         except FileNotFoundError:
             raise LoRAFileError("file not found", path=path, remedy="check the name and the loras folder") from None
+        except OSError as e:  # a name too long, a permission, a directory in the way
+            raise LoRAFileError(f"cannot read the file ({e.strerror})", path=path) from None
         return cls(real, st.st_size, st.st_mtime_ns)
 
 

@@ -200,3 +200,11 @@ def test_non_finite_strength(tmp_path):
     bank = SlotBank(lf.tiny())
     with pytest.raises(NonFiniteError):
         bank.activate([(load_adapter(good(tmp_path)), float("inf"))])
+
+
+@pytest.mark.parametrize("name", ["a\x00b.safetensors", "x" * 300 + ".safetensors"])
+def test_unusable_paths_are_file_errors(tmp_path, name):
+    from lora_engine import default_cache, load_adapter
+    for load in (load_adapter, default_cache().load):
+        with pytest.raises(LoRAFileError):
+            load(str(tmp_path / name))
