@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.grid_bench import synthetic_server  # noqa: E402
+from bench.grid_bench import base_graph, synthetic_server  # noqa: E402
 from bench.machine import machine_line  # noqa: E402
 from tools import synth  # noqa: E402
 
@@ -29,18 +29,9 @@ LORA = synth.LORA_NAMES["kohya"]
 
 
 def graph(size: int, steps: int, seed: int, model, clip) -> dict:
-    return {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
-        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": "a lighthouse at dusk"}},
-        "7": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": "blurry"}},
-        "8": {"class_type": "KSampler", "inputs": {"model": model, "positive": ["6", 0], "negative": ["7", 0],
-                                                   "latent_image": ["4", 0], "seed": seed, "steps": steps,
-                                                   "cfg": 5.0, "sampler_name": "euler", "scheduler": "normal",
-                                                   "denoise": 1.0}},
-        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "schedule_bench"}},
-    }
+    g = base_graph(size, steps, model, clip, ["4", 0], "schedule_bench")
+    g["8"]["inputs"]["seed"] = seed
+    return g
 
 
 def variant(name: str, size: int, steps: int, seed: int) -> dict:
