@@ -309,20 +309,8 @@ def main() -> int:
     cache = AdapterCache(max_items=max(ks) + 1, max_bytes=1 << 40)
     adapters = [cache.load(p, name=os.path.basename(p), convert=comfy.lora_convert.convert_lora,
                            convert_id="comfy") for p in lora_paths]
-    full_map = comfy.lora.model_lora_keys_unet(root, {})
-    try:
-        keymap = KeyMap(root, full_map, defaults=False)
-    except TypeError as e:
-        # ComfyUI maps Flux's diffusers `norm_out.linear` as (key, None, swap_scale_shift): a whole weight
-        # with a transform. lora_engine.KeyMap unpacks every tuple's second item as a slice and raises.
-        dropped = sorted(k for k, v in full_map.items() if isinstance(v, tuple) and (len(v) < 2 or v[1] is None))
-        keymap = KeyMap(root, {k: v for k, v in full_map.items() if k not in dropped}, defaults=False)
-        print(f"WARNING: lora_engine.KeyMap raises on ComfyUI's Flux key map ({e}); nodes/bridge.py builds that "
-              f"map for every Flux model, so MultiLoRALoader fails there. Measured here with the {len(dropped)} "
-              f"(key, None, function) entries left out ({', '.join(dropped[:2])}, ...): none is a block Linear.")
+    keymap = KeyMap(root, comfy.lora.model_lora_keys_unet(root, {}), defaults=False)  # as nodes/bridge.py builds it
     bridge = import_bridge() if "ours" in paths else None
-    if bridge is not None:
-        root.__dict__["_multilora_keymap"] = keymap  # what bridge._keymap caches per model; see the warning
 
     def reset():
         """Unload everything (restores fused weights, ejects injections), then load the bare base model."""
