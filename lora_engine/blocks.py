@@ -21,12 +21,11 @@ BASE also multiplies the entry's text-encoder strength, as in Inspire Pack.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import ShapingError
+from .errors import ShapingError, number
 
 # group, layer-name pattern, label prefix; the order is the model order
 _GROUPS = (
@@ -113,7 +112,7 @@ class BlockWeights:
                                        "IN, MID, OUT, D, S, B (with a number), a group name, BASE or default")
                 lo = int(m[2]) if m[2] is not None else None
                 hi = int(m[3]) if m[3] is not None else lo
-                items.append((key, lo, hi, _number(m[4], part)))
+                items.append((key, lo, hi, _weight(m[4], part)))
             return cls(s, "named", tuple(items))
         body = s.split(":", 1)[1] if re.match(r"^[^,:]*[A-Za-z][^,:]*:", s) else s
         tokens = [t.strip() for t in re.split(r"[,\n]+", body) if t.strip()]
@@ -121,7 +120,7 @@ class BlockWeights:
             if t in ("A", "a", "B", "b", "R", "r", "U", "u") or " " in t:
                 raise ShapingError(f"block vector element {t!r}: Inspire Pack's A/B variables, random R/U "
                                    "values and space-separated sub-vectors are not supported; use numbers")
-        return cls(s, "vector", tuple(_number(t, s) for t in tokens))
+        return cls(s, "vector", tuple(_weight(t, s) for t in tokens))
 
     def resolve(self, model_blocks: list[Block], touched: list[Block]) -> tuple[float, dict[Block, float]]:
         """(BASE multiplier, multiplier of every block of the model)."""
@@ -189,11 +188,5 @@ def _show(key, lo, hi) -> str:
     return f"{key}{lo:02d}" + (f"-{hi:02d}" if hi != lo else "")
 
 
-def _number(text: str, where: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise ShapingError(f"{text.strip()!r} in block weights {where.strip()!r} is not a number") from None
-    if not math.isfinite(v) or abs(v) > 100:
-        raise ShapingError(f"{text.strip()!r} in block weights {where.strip()!r} must be finite, within -100…100")
-    return v
+def _weight(text: str, where: str) -> float:
+    return number(text, f"block weights {where.strip()!r}", ShapingError, limit=100)

@@ -3,6 +3,8 @@ reading one line in the ComfyUI queue knows what to fix."""
 
 from __future__ import annotations
 
+import math
+
 
 class LoRAError(Exception):
     """Base class for every error the engine raises on purpose."""
@@ -53,3 +55,16 @@ class FuseError(LoRAError):
 
 class ShapingError(LoRAError, ValueError):
     """A malformed schedule or block-weight vector, or one that does not fit the model."""
+
+
+def number(text: str, where: str, error: type[LoRAError], limit: float | None = None) -> float:
+    """`text` as a finite float, within ±`limit` when one is given; else `error`, naming `where`."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise error(f"{where}: {text.strip()!r} is not a number") from None
+    if not math.isfinite(v):
+        raise error(f"{where}: {text.strip()!r} is not finite")
+    if limit is not None and abs(v) > limit:
+        raise error(f"{where}: {text.strip()!r} must be within -{limit:g}..{limit:g}")
+    return v

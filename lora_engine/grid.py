@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from .blocks import BlockWeights
-from .errors import ShapingError
+from .errors import ShapingError, number
 from .schedule import Schedule
 
 MAX_VALUES = 64
@@ -41,7 +41,7 @@ def parse_values(text: str, axis: str = "axis") -> list[float]:
         raise GridError(f"{axis}: no values; write e.g. '0, 0.5, 1' or '0:1:0.25' or '0..1/5'")
     m = re.fullmatch(r"\s*([-+0-9.eE]+)\s*\.\.\s*([-+0-9.eE]+)\s*/\s*(\d+)\s*", s)
     if m:
-        a, b, n = _num(m[1], axis, s), _num(m[2], axis, s), int(m[3])
+        a, b, n = _strength(m[1], axis, s), _strength(m[2], axis, s), int(m[3])
         if n < 1 or n > MAX_VALUES:
             raise GridError(f"{axis}: count {n} in {s!r} must be between 1 and {MAX_VALUES}")
         return [a] if n == 1 else [a + (b - a) * i / (n - 1) for i in range(n)]
@@ -49,14 +49,14 @@ def parse_values(text: str, axis: str = "axis") -> list[float]:
         parts = [p.strip() for p in s.split(":")]
         if len(parts) != 3:
             raise GridError(f"{axis}: {s!r} is not start:stop:step")
-        a, b, step = (_num(p, axis, s) for p in parts)
+        a, b, step = (_strength(p, axis, s) for p in parts)
         if step == 0 or (b - a) / step < 0:
             raise GridError(f"{axis}: step {step:g} in {s!r} never reaches {b:g}")
         n = int(math.floor((b - a) / step + 1e-9)) + 1
         if n > MAX_VALUES:
             raise GridError(f"{axis}: {s!r} gives {n} values; at most {MAX_VALUES}")
         return [round(a + i * step, 10) for i in range(n)]
-    values = [_num(p, axis, s) for p in re.split(r"[,;\s]+", s) if p]
+    values = [_strength(p, axis, s) for p in re.split(r"[,;\s]+", s) if p]
     if len(values) > MAX_VALUES:
         raise GridError(f"{axis}: {len(values)} values; at most {MAX_VALUES}")
     return values
@@ -94,14 +94,8 @@ def label(value) -> str:
     return value.text if isinstance(value, BlockWeights) else str(value)
 
 
-def _num(p: str, axis: str, text: str) -> float:
-    try:
-        v = float(p)
-    except ValueError:
-        raise GridError(f"{axis}: {p!r} in {text!r} is not a number") from None
-    if not math.isfinite(v) or abs(v) > 100:
-        raise GridError(f"{axis}: {p!r} in {text!r} must be a finite strength within -100..100")
-    return v
+def _strength(p: str, axis: str, text: str) -> float:
+    return number(p, f"{axis} {text!r}", GridError, limit=100)
 
 
 @dataclass(frozen=True)

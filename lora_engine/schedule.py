@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import ShapingError
+from .errors import ShapingError, number
 
 MODES = ("linear", "step")
 MAX_KEYFRAMES = 256
@@ -60,11 +60,10 @@ class Schedule:
             if not m:
                 raise ShapingError(f"schedule keyframe {part.strip()!r} is not 'progress:multiplier', "
                                    "e.g. '0.5:1.0'")
-            p, v = _finite(m[1], part), _finite(m[2], part)
+            where = f"schedule keyframe {part.strip()!r}"
+            p, v = number(m[1], where, ShapingError), number(m[2], where, ShapingError, limit=100)
             if not 0.0 <= p <= 1.0:
-                raise ShapingError(f"schedule keyframe {part.strip()!r}: progress must be within 0…1")
-            if abs(v) > 100:
-                raise ShapingError(f"schedule keyframe {part.strip()!r}: multiplier must be within -100…100")
+                raise ShapingError(f"{where}: progress must be within 0…1")
             points.append(p)
             values.append(v)
         return cls(tuple(points), tuple(values), mode)
@@ -104,16 +103,6 @@ class Schedule:
     def describe(self) -> str:
         return ", ".join(f"{p:g}:{v:g}" for p, v in zip(self.points, self.values)) + \
             ("" if self.mode == "linear" else " (step)")
-
-
-def _finite(text: str, part: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise ShapingError(f"schedule keyframe {part.strip()!r}: {text!r} is not a number") from None
-    if not math.isfinite(v):
-        raise ShapingError(f"schedule keyframe {part.strip()!r}: {text!r} is not finite")
-    return v
 
 
 def step_progress(sigma: float, sample_sigmas: Sequence[float]) -> float:

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import runtime
 from .adapter import Adapter
-from .binding import Binding, Geometry, MatchReport, ModulePlan, bind
+from .binding import Binding, Geometry, MatchReport, bind
 from .errors import LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError
 from .keymap import KeyMap
 from .schedule import Schedule
