@@ -4,13 +4,22 @@ Each block has Flux-dev's Linear shapes (hidden 3072, fused qkv 9216, MLP 12288)
 The token count is short so that it runs on a CPU. It prints, for k = 1, 2, 4, 8
 adapters at rank 32:
 
-- step time against the base step (the runtime overhead);
+- step time against the base step (the runtime overhead), with all k adapters live;
+- the same for bare GEMMs: plain forward hooks that add x·Aᵀ·Bᵀ from the same slot
+  buffers and do nothing else. That is the arithmetic any runtime method has to do,
+  so "ours / bare" is what the engine's own bookkeeping costs;
+- the step time with one adapter live and the other k − 1 warm at strength 0 (their
+  slots are cut from the GEMMs, so this should match k = 1);
 - the cost of a strength change, against re-fusing the weights (restore each
   weight from its backup, then add s·ΔW of every adapter in fp32, as a fusing
   loader does after a slider move);
-- the activation cost for adapters already in the warm cache;
-- the step time with one adapter live and the other k − 1 warm at strength 0 (their slots are
-  cut from the GEMMs, so this should match k = 1).
+- break-even: how many steps after a slider move a fusing loader needs to catch up,
+  (re-fuse − strength change) / (our step − base step);
+- the activation cost for adapters already in the warm cache.
+
+Step times are paired: each round runs base, ours, bare and one-live once, in turn, and
+each ratio is the median of the per-round ratios, so load from other jobs moves both
+sides of a ratio.
 
     python bench/engine_bench.py                   # CPU defaults
     python bench/engine_bench.py --device cuda --blocks 19 --tokens 4096 --dtype bf16
@@ -26,12 +35,16 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lora_engine import AdapterCache, SlotBank  # noqa: E402
+from lora_engine import AdapterCache, SlotBank  # noqa: E402  (after the sys.path line)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import machine_line  # noqa: E402
 
 HIDDEN, MLP = 3072, 12288
 
@@ -102,6 +115,88 @@ def timed(fn, device, repeat: int) -> float:
     return statistics.median(times)
 
 
+class BareGemms:
+    """Forward hooks that add x·Aᵀ·Bᵀ from a bank's slot buffers and nothing else."""
+
+    def __init__(self, model: nn.Module, bank: SlotBank):
+        modules = dict(model.named_modules())
+        self.parts = [(modules[name], layer.a, layer.b) for name, layer in bank.layers.items()]
+        self.handles = []
+
+    def attach(self) -> None:
+        for module, a, b in self.parts:
+            def hook(_module, args, out, a=a, b=b):
+                out.view(-1, out.shape[-1]).addmm_(F.linear(args[0], a).view(-1, a.shape[0]), b.t())
+            self.handles.append(module.register_forward_hook(hook))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def paired(variants: dict, step, device, rounds: int, before) -> dict:
+    """Each round runs every variant once, in a rotating order (`before` resets between variants);
+    per variant: the median step in ms and the median over rounds of its ratio to the round's base."""
+    names = list(variants)
+    for name in names:  # warm-up
+        before()
+        variants[name]()
+        step()
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            before()
+            variants[name]()
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    before()
+    return {n: {"ms": statistics.median(times[n]) * 1e3,
+                "ratio": statistics.median(t / b for t, b in zip(times[n], times["base"]))} for n in names}
+
+
+def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
+    """One line of the table, for the k adapters in `chosen`."""
+    k = len(chosen)
+    all_live = [(a, 1.0) for a in chosen]
+    one_live = [(a, 1.0 if i == 0 else 0.0) for i, a in enumerate(chosen)]
+
+    def activate():
+        fresh = SlotBank(model, max_loras=k, dtype=dtype, device=device)
+        fresh.activate(all_live)
+        return fresh
+
+    activations = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        bank = activate()
+        sync(device)
+        activations.append(time.perf_counter() - t0)
+        bank.release()
+    bank = activate()
+    bare = BareGemms(model, bank)
+    variants = {"base": bank.deactivate, "ours": lambda: bank.activate(all_live),
+                "bare": lambda: (bank.deactivate(), bare.attach()), "one": lambda: bank.activate(one_live)}
+    with torch.inference_mode():
+        steps = paired(variants, lambda: model(x), device, repeat, before=bare.detach)
+    values = iter([0.5, 0.75] * 10000)
+    bank.activate(all_live)
+    change = timed(lambda: bank.set_strength(chosen[0], next(values)), device, 50)
+    bank.release()
+    with torch.no_grad():
+        refuse_t = timed(lambda: refuse(linears, backups, chosen, next(values)), device, 1)
+        for n, m in linears.items():
+            m.weight.copy_(backups[n])
+    extra_ms = (steps["ours"]["ratio"] - 1) * steps["base"]["ms"]
+    even = f"{(refuse_t - change) * 1e3 / extra_ms:.0f} steps" if extra_ms > 0 else "never"
+    return (f"{k:>2} | {steps['base']['ms']:7.1f} | {steps['ours']['ms']:7.1f} | {steps['ours']['ratio']:8.3f}x | "
+            f"{steps['bare']['ratio']:8.3f}x | {steps['one']['ratio']:16.3f}x | {change * 1e3:12.3f} ms | "
+            f"{refuse_t:6.2f} s | {even:>10} | {statistics.median(activations) * 1e3:18.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -123,6 +218,7 @@ def main() -> None:
     print(f"model: {args.blocks} Flux-shaped blocks ({n_layers} Linear layers, "
           f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params), {args.tokens} tokens, "
           f"{args.dtype} on {device}; adapters at rank {args.rank}; torch {torch.__version__}")
+    print(f"machine before: {machine_line()}")
 
     tmp = tempfile.mkdtemp(prefix="lora-bench-")
     paths = []
@@ -133,47 +229,17 @@ def main() -> None:
     cache = AdapterCache(max_items=max(ks))
     adapters = [cache.load(p) for p in paths]  # the cache is warm from here on
 
-    with torch.inference_mode():
-        base = timed(lambda: model(x), device, args.repeat)
-    print(f"\nbase step: {base * 1e3:.1f} ms\n")
-    header = (f"{'k':>2} | {'step ms':>8} | {'vs base':>7} | {'strength change':>15} | {'re-fuse':>9} | "
-              f"{'re-fuse / change':>16} | {'activate (warm cache)':>21} | {'1 live + k-1 at 0':>17}")
-    print(header)
+    header = (f"{'k':>2} | {'base ms':>7} | {'ours ms':>7} | {'ours/base':>9} | {'bare/base':>9} | "
+              f"{'1 live + k-1 at 0':>17} | {'strength change':>15} | {'re-fuse':>8} | {'break-even':>10} | "
+              f"{'activate (warm cache)':>21}")
+    print("\n" + header)
     print("-" * len(header))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     backups = {n: m.weight.detach().clone() for n, m in linears.items()}  # what a fusing loader keeps
     for k in ks:
-        chosen = adapters[:k]
-
-        def activate():
-            fresh = SlotBank(model, max_loras=k, dtype=dtype, device=device)
-            fresh.activate([(a, 1.0) for a in chosen])
-            return fresh
-
-        activations = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            bank = activate()
-            sync(device)
-            activations.append(time.perf_counter() - t0)
-            bank.release()
-        bank = activate()
-        with torch.inference_mode():
-            step = timed(lambda: model(x), device, args.repeat)
-        values = iter([0.5, 0.75] * 10000)
-        change = timed(lambda: bank.set_strength(chosen[0], next(values)), device, 50)
-        bank.activate([(a, 1.0 if i == 0 else 0.0) for i, a in enumerate(chosen)])
-        with torch.inference_mode():
-            warm = timed(lambda: model(x), device, args.repeat)
-        bank.release()
-        with torch.no_grad():
-            refuse_t = timed(lambda: refuse(linears, backups, chosen, next(values)), device, 1)
-            for n, m in linears.items():
-                m.weight.copy_(backups[n])
-        print(f"{k:>2} | {step * 1e3:8.1f} | {step / base:6.3f}x | {change * 1e3:12.3f} ms | "
-              f"{refuse_t:7.2f} s | {refuse_t / change:15.0f}x | {statistics.median(activations) * 1e3:18.1f} ms | "
-              f"{warm / base:16.3f}x")
+        print(row(model, x, adapters[:k], linears, backups, device, dtype, args.repeat), flush=True)
     print(f"\ncache: {cache.stats()}")
+    print(f"machine after: {machine_line()}")
 
 
 if __name__ == "__main__":
