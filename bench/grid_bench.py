@@ -46,14 +46,15 @@ def synthetic_server() -> cs.ComfyServer | None:
     return cs.ComfyServer(comfy_root=root, python=python, models_dir=models_dir(root, python)).start()
 
 
-def base_graph(size: int, steps: int, model, clip, latent, prefix: str) -> dict:
+def base_graph(size: int, steps: int, model, clip, latent, prefix: str, seed: int = 42, cfg: float = 5.0) -> dict:
+    """Checkpoint, prompts, sampler, decode and save around `model` and `clip` (node ids 1, 4, 6-10)."""
     return {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
         "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
         "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": "a lighthouse at dusk"}},
         "7": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": "blurry"}},
         "8": {"class_type": "KSampler", "inputs": {"model": model, "positive": ["6", 0], "negative": ["7", 0],
-                                                   "latent_image": latent, "seed": 42, "steps": steps, "cfg": 5.0,
+                                                   "latent_image": latent, "seed": seed, "steps": steps, "cfg": cfg,
                                                    "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
         "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
         "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},

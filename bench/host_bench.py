@@ -41,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.grid_bench import base_graph  # noqa: E402
+from bench.machine import machine_line  # noqa: E402
 from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
@@ -76,8 +78,6 @@ class BenchServer(cs.ComfyServer):
         return cmd
 
 
-from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
-
 def models_dir(assets: dict, extra: Path) -> tuple[Path, list[str]]:
     root = Path(tempfile.mkdtemp(prefix="multilora-bench-models-"))
     for sub in cs.MODEL_SUBDIRS:
@@ -103,7 +103,7 @@ def _place(src, dst) -> None:
 
 def graph(variant: str, loras: list[str], strengths: list[float], seed: int, size: int, steps: int,
           cfg: float) -> dict:
-    p = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}}}
+    p = {}
     model, clip = ["1", 0], ["1", 1]
     if variant == "ours":
         prev = None
@@ -122,18 +122,7 @@ def graph(variant: str, loras: list[str], strengths: list[float], seed: int, siz
             p[f"l{j}"] = {"class_type": cls, "inputs": {"model": model, "clip": clip, "lora_name": name,
                                                          "strength_model": s, "strength_clip": 0.8}}
             model, clip = [f"l{j}", 0], [f"l{j}", 1]
-    p.update({
-        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": "a lighthouse on a cliff"}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": "blurry"}},
-        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
-        "8": {"class_type": "KSampler", "inputs": {
-            "model": model, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0],
-            "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": "euler", "scheduler": "normal",
-            "denoise": 1.0}},
-        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": f"bench_{variant}"}},
-    })
-    return p
+    return {**base_graph(size, steps, model, clip, ["4", 0], f"bench_{variant}", seed=seed, cfg=cfg), **p}
 
 
 def cpu_seconds(pid: int) -> float:

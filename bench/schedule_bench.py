@@ -29,9 +29,7 @@ LORA = synth.LORA_NAMES["kohya"]
 
 
 def graph(size: int, steps: int, seed: int, model, clip) -> dict:
-    g = base_graph(size, steps, model, clip, ["4", 0], "schedule_bench")
-    g["8"]["inputs"]["seed"] = seed
-    return g
+    return base_graph(size, steps, model, clip, ["4", 0], "schedule_bench", seed=seed)
 
 
 def variant(name: str, size: int, steps: int, seed: int) -> dict:
