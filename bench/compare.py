@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
-import importlib.util
 import math
 import os
 import shutil
@@ -66,84 +65,9 @@ RANK = 32
 # -- ComfyUI in-process ------------------------------------------------------------------------------
 
 from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
-
-def find_comfy(arg: str | None) -> Path:
-    cands = [arg, os.environ.get("COMFYUI_PATH"), "~/comfy/ComfyUI", str(ROOT / ".comfy")]
-    for c in cands:
-        if c and (Path(c).expanduser() / "comfy" / "sd.py").is_file():
-            return Path(c).expanduser().resolve()
-    sys.exit("ComfyUI not found: pass --comfy PATH (a checkout, or the copy made as bench/README.md says), "
-             f"or set COMFYUI_PATH; looked at {[c for c in cands if c]}")
-
-
-def import_comfy(root: Path, device: str):
-    """Import ComfyUI's modules with --cpu semantics (or the classic, non-dynamic loader on a GPU)."""
-    if importlib.util.find_spec("torchaudio") is None:
-        # ComfyUI 0.28 imports torchaudio on the `import comfy.sd` path; tools/comfy_server.py's stub
-        # (import works, any use raises) is put on sys.path, as the server harness does.
-        from tools.comfy_server import _TORCHAUDIO_STUB
-        shim = Path(tempfile.mkdtemp(prefix="multilora-shims-"))
-        atexit.register(shutil.rmtree, shim, True)
-        (shim / "torchaudio").mkdir()
-        (shim / "torchaudio" / "__init__.py").write_text(_TORCHAUDIO_STUB)
-        sys.path.insert(0, str(shim))
-    sys.path.insert(0, str(root))
-    from comfy.cli_args import args
-    if device == "cpu":
-        args.cpu = True
-    else:
-        # The estimate-based loader: ModelPatcher.patch_model with weight backups (ComfyUI's
-        # dynamic-VRAM loader, default on CUDA since 0.2x, patches at op time instead).
-        args.disable_dynamic_vram = True
-    import comfy.lora  # after args.cpu: comfy.model_management reads it at import, as under main.py
-    import comfy.lora_convert
-    import comfy.model_detection
-    import comfy.model_management
-    import comfy.model_patcher
-    import comfy.patcher_extension
-    import comfy.sd
-    import comfy.utils
-    import comfy.weight_adapter
-    return comfy
-
-
-def import_bridge():
-    """nodes/bridge.py under another name: ComfyUI's own `nodes` module takes the name `nodes`."""
-    spec = importlib.util.spec_from_file_location("multilora_bridge", ROOT / "nodes" / "bridge.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
+from tools.comfy_inprocess import build_flux, find_comfy, import_bridge, import_comfy
 
 # -- model and LoRAs ---------------------------------------------------------------------------------
-
-def build_flux(comfy, torch, hidden: int, depth: int, single: int, dtype, device):
-    heads = hidden // 128
-    unet_config = {
-        "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768,
-        "context_in_dim": 4096, "hidden_size": hidden, "mlp_ratio": 4.0, "num_heads": heads,
-        "depth": depth, "depth_single_blocks": single, "axes_dim": [16, 56, 56], "theta": 10000,
-        "patch_size": 2, "qkv_bias": True, "guidance_embed": True, "txt_ids_dims": [],
-    }
-    config = comfy.model_detection.model_config_from_unet_config(unet_config)
-    assert config is not None and type(config).__name__ == "Flux", config
-    config.set_inference_dtype(dtype, None)
-    model = config.get_model({}, "", device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():  # ComfyUI's ops skip weight init: give every tensor finite values
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=g)
-            elif "norm" in name or name.endswith("scale"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
-    mm = comfy.model_management
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                               offload_device=mm.unet_offload_device())
-    return patcher
-
 
 def lora_targets(comfy, torch, root) -> list[tuple[str, int, int]]:
     """(kohya prefix, in, out) for every Linear of every block, checked against ComfyUI's key map."""
