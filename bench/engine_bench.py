@@ -137,7 +137,7 @@ class BareGemms:
 
 def paired(variants: dict, step, device, rounds: int, before) -> dict:
     """Each round runs every variant once, in a rotating order (`before` resets between variants);
-    per variant: the median step in ms and the median over rounds of its ratio to the round's base."""
+    per variant: its times, the median step in ms and the median over rounds of its ratio to the round's base."""
     names = list(variants)
     for name in names:  # warm-up
         before()
@@ -154,7 +154,7 @@ def paired(variants: dict, step, device, rounds: int, before) -> dict:
             sync(device)
             times[name].append(time.perf_counter() - t0)
     before()
-    return {n: {"ms": statistics.median(times[n]) * 1e3,
+    return {n: {"ms": statistics.median(times[n]) * 1e3, "times": times[n],
                 "ratio": statistics.median(t / b for t, b in zip(times[n], times["base"]))} for n in names}
 
 
@@ -197,6 +197,25 @@ def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
             f"{refuse_t:6.2f} s | {even:>10} | {statistics.median(activations) * 1e3:18.1f} ms")
 
 
+def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat: int) -> str:
+    """A strength grid as one batch: every item with its own strengths, against the same batch with one
+    shared strength per adapter (the same adapters, the same GEMMs)."""
+    x = torch.randn(items, tokens, HIDDEN, device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    per_item = [(a, torch.rand(items, generator=g).tolist()) for a in chosen]
+    shared = [(a, 0.5) for a in chosen]
+    bank = SlotBank(model, max_loras=len(chosen), dtype=dtype, device=device)
+    variants = {"base": bank.deactivate, "shared": lambda: bank.activate(shared),
+                "per_item": lambda: bank.activate(per_item)}
+    with torch.inference_mode():
+        steps = paired(variants, lambda: model(x), device, repeat, before=lambda: None)
+    bank.release()
+    ratio = statistics.median(p / s for p, s in zip(steps["per_item"]["times"], steps["shared"]["times"]))
+    return (f"\nper-item strengths, k={len(chosen)}, batch {items} x {tokens} tokens: shared {steps['shared']['ms']:.1f} ms "
+            f"({steps['shared']['ratio']:.3f}x base), per item {steps['per_item']['ms']:.1f} ms "
+            f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -206,6 +225,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
+    ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -238,6 +259,9 @@ def main() -> None:
     backups = {n: m.weight.detach().clone() for n, m in linears.items()}  # what a fusing loader keeps
     for k in ks:
         print(row(model, x, adapters[:k], linears, backups, device, dtype, args.repeat), flush=True)
+    if args.grid:
+        print(per_item_line(model, adapters[:min(4, len(adapters))], args.grid, args.grid_tokens, device, dtype,
+                            args.repeat))
     print(f"\ncache: {cache.stats()}")
     print(f"machine after: {machine_line()}")
 

@@ -1,0 +1,116 @@
+"""The engine under torch.compile (inductor): recompiles counted across adapter changes, and the compiled step.
+
+On engine_bench's Flux-shaped blocks, one compiled model runs through the changes a ComfyUI session makes:
+slider moves (through 0 too), another adapter of the same rank swapped into a warm slot, a schedule
+with its progress updates, and per-item strengths. After each change it checks the compiled output
+against eager and prints how many graphs inductor has compiled so far. Then it times, paired round by
+round, the compiled step with k adapters against the compiled base step, and the same in eager mode.
+
+    python bench/compile_bench.py                                  # CPU (inductor needs a C++ compiler)
+    python bench/compile_bench.py --device cuda --dtype bf16 --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.engine_bench import HIDDEN, MLP, Model, paired, sync, write_adapter  # noqa: E402
+from bench.machine import machine_line  # noqa: E402
+from lora_engine import AdapterCache, Entry, Schedule, SlotBank  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--k", type=int, default=4, help="adapters held (one more is written, for the swap)")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    try:
+        from torch._dynamo.testing import CompileCounterWithBackend
+    except ImportError:
+        sys.exit("this torch build has no dynamo")
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.manual_seed(0)
+    model = Model(args.blocks, HIDDEN, MLP).to(device, dtype).eval()
+    x = torch.randn(2, args.tokens, HIDDEN, device=device, dtype=dtype)  # 2 items, for per-item strengths
+    print(f"model: {args.blocks} Flux-shaped blocks, batch 2 x {args.tokens} tokens, {args.dtype} on {device}; k = {args.k} "
+          f"adapters at rank {args.rank}; torch {torch.__version__}")
+    print(f"machine before: {machine_line()}")
+
+    tmp = tempfile.mkdtemp(prefix="lora-compile-")
+    cache = AdapterCache(max_items=args.k + 1)
+    adapters = []
+    for i in range(args.k + 1):
+        path = os.path.join(tmp, f"adapter{i}.safetensors")
+        write_adapter(model, path, args.rank, seed=i)
+        adapters.append(cache.load(path))
+    held, spare = adapters[:args.k], adapters[args.k]
+    bank = SlotBank(model, max_loras=args.k, dtype=dtype, device=device)
+    bank.activate([(a, 1.0) for a in held])
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter)
+    first, second = held[0], held[-1]
+    items = [1.0, 0.5]
+    changes = [
+        ("first run (compiles)", lambda: None),
+        ("slider move", lambda: bank.set_strength(first, 0.4)),
+        ("the last slot to 0", lambda: bank.set_strength(second, 0.0)),
+        ("every strength 0", lambda: bank.activate([(a, 0.0) for a in held])),
+        ("back to 1", lambda: bank.activate([(a, 1.0) for a in held])),
+        ("another adapter of the same rank swapped in", lambda: bank.activate([(a, 1.0) for a in held[:-1]]
+                                                                              + [(spare, 0.7)])),
+        ("a schedule", lambda: bank.activate([Entry(first, 1.0, Schedule.parse("0:1, 1:0"))]
+                                             + [(a, 1.0) for a in held[1:]])),
+        ("schedule progress 0.5", lambda: bank.set_progress(0.5)),
+        ("schedule progress 1", lambda: bank.set_progress(1.0)),
+        ("per-item strengths (the scale's shape changes: one recompile expected)",
+         lambda: bank.activate([(a, items) for a in held])),
+        ("per-item slider move", lambda: bank.set_strength(first, [0.5] * len(items))),
+    ]
+    print(f"\n{'change':<72} | graphs compiled | max |compiled - eager|")
+    print("-" * 112)
+    with torch.inference_mode():
+        for name, change in changes:
+            change()
+            t0 = time.perf_counter()
+            got = compiled(x)
+            sync(device)
+            took = time.perf_counter() - t0
+            want = model(x)
+            err = (got.float() - want.float()).abs().max().item()
+            flag = "" if err <= tol * want.float().abs().max().item() else "  MISMATCH"
+            print(f"{name:<72} | {counter.frame_count:>15} | {err:.2e}{flag} ({took:.2f} s)", flush=True)
+
+    bank.activate([(a, 1.0) for a in held])
+    with torch.inference_mode():
+        compiled(x)  # back to one shared strength per adapter: the graph for that shape exists already
+        steps = paired({"base": bank.deactivate, "ours": lambda: bank.activate([(a, 1.0) for a in held])},
+                       lambda: compiled(x), device, args.repeat, before=lambda: None)
+        eager = paired({"base": bank.deactivate, "ours": lambda: bank.activate([(a, 1.0) for a in held])},
+                       lambda: model(x), device, args.repeat, before=lambda: None)
+    print(f"\ngraphs compiled in all: {counter.frame_count} (the base graph without adapters included)")
+    print(f"compiled: base {steps['base']['ms']:.1f} ms, ours {steps['ours']['ms']:.1f} ms, "
+          f"ours / base {steps['ours']['ratio']:.3f}x")
+    print(f"eager:    base {eager['base']['ms']:.1f} ms, ours {eager['ours']['ms']:.1f} ms, "
+          f"ours / base {eager['ours']['ratio']:.3f}x")
+    print(f"machine after: {machine_line()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
