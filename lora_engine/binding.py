@@ -22,7 +22,7 @@ from .patches import LayerPatch, LoHa, LoKr
 class Geometry:
     """What the runtime needs to know of a layer, read from attributes, never from its weight."""
 
-    conv_dims: int  # 0 for Linear
+    conv_dims: int  # 0 for Linear and for the norms over the last dimension
     in_features: int
     out_features: int
     kernel: tuple[int, ...] = ()
@@ -31,22 +31,36 @@ class Geometry:
     padding: object = 0
     dilation: tuple[int, ...] = ()
     padding_mode: str = "zeros"
+    norm: str = ""  # "layer", "rms" or "group": y = normalized(x) · w + b, adapted by full diffs only
+    eps: float | None = None
 
     @classmethod
     def of(cls, module: nn.Module) -> Geometry:
         if isinstance(module, nn.Linear):
             return cls(0, module.in_features, module.out_features)
+        if isinstance(module, nn.GroupNorm):
+            return cls(0, 1, module.num_channels, groups=module.num_groups, norm="group", eps=module.eps)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            kind = "layer" if isinstance(module, nn.LayerNorm) else "rms"
+            return cls(0, 1, module.normalized_shape[0], norm=kind, eps=module.eps)
         return cls(len(module.kernel_size), module.in_channels, module.out_channels, tuple(module.kernel_size),
                    module.groups, tuple(module.stride), module.padding, tuple(module.dilation),
                    module.padding_mode)
 
     @property
     def weight_shape(self) -> torch.Size:
+        if self.norm:
+            return torch.Size((self.out_features,))
         return torch.Size((self.out_features, self.in_features // self.groups, *self.kernel))
 
     @property
     def low_rank_ok(self) -> bool:
-        return self.groups == 1 and self.padding_mode == "zeros"
+        return self.groups == 1 and self.padding_mode == "zeros" and not self.norm
+
+    @property
+    def channel_last(self) -> bool:
+        """The output's channels are its last dimension (Linear, LayerNorm, RMSNorm), not its second."""
+        return self.conv_dims == 0 and self.norm != "group"
 
 
 @dataclass(frozen=True)
@@ -217,7 +231,7 @@ def _check(adapter: Adapter, plan: ModulePlan, patch: LayerPatch, out_slice: tup
                              path=adapter.path, key=patch.key)
     w = patch.weight
     if w is not None and hasattr(w, "down"):
-        want_in = (g.in_features // g.groups, *g.kernel)
+        want_in = tuple(g.weight_shape[1:])
         got_in = tuple(w.down.shape[1:])
         flat_ok = w.down[0].numel() == torch.Size(want_in).numel()
         if (got_in != want_in and not flat_ok) or w.up.shape[0] != size:

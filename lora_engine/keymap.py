@@ -16,6 +16,16 @@ import torch
 from torch import nn
 
 SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)  # bound for full diffs of their weight and bias only
+
+
+def bindable(module: nn.Module) -> bool:
+    """A layer an adapter can target: Linear and Conv, and a norm with a per-channel weight."""
+    if isinstance(module, SUPPORTED):
+        return True
+    if not isinstance(module, NORMS) or getattr(module, "weight", None) is None:
+        return False
+    return isinstance(module, nn.GroupNorm) or len(module.normalized_shape) == 1
 
 # Prefixes that name the model part in a file rather than a module path.
 DOTTED_PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.", "unet.", "text_encoder.", "model.")
@@ -44,7 +54,7 @@ class KeyMap:
     @property
     def modules(self) -> dict[str, nn.Module]:
         if self._modules is None:
-            self._modules = {n: m for n, m in self.root.named_modules() if isinstance(m, SUPPORTED)}
+            self._modules = {n: m for n, m in self.root.named_modules() if bindable(m)}
         return self._modules
 
     def _normalise(self, value: object) -> Target | None:

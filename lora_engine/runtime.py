@@ -9,8 +9,10 @@ For a Linear layer f with input x:
 A Conv layer uses A as a kernel-shaped conv with the layer's stride, padding
 and dilation, and B as a 1×1 conv. Adapters that cannot run in low rank
 (DoRA, LoHa, LoKr, full diffs, grouped convs) add s_i · f_ΔWi(x) per slot.
-Only the layer's output is used, never its weight, so fp8, GGUF, offloaded
-and manually cast layers work unchanged.
+A norm layer (LayerNorm, RMSNorm, GroupNorm: y = n(x) · w + b) takes full diffs
+of its weight and bias as s_i · (n(x) · Δw_i + Δb_i), n(x) recomputed without
+the affine part. Only the layer's output is used, never its weight, so fp8,
+GGUF, offloaded and manually cast layers work unchanged.
 """
 
 from __future__ import annotations
@@ -72,14 +74,29 @@ def _inplace_add(out, y):
     return out + y.to(out.dtype)
 
 
-def _slot_scale(scale: torch.Tensor, slot: int, batch: int, dims: int, channel_last: bool) -> torch.Tensor:
+def _slot_scale(scale: torch.Tensor, slot: int, batch: int, dims: int) -> torch.Tensor:
     if scale.dim() == 1:
         return scale[slot]
     s = item_scale(scale, batch)[:, slot]
     return s.reshape(s.shape[0], *[1] * (dims - 1))
 
 
+def _channels(geom, t: torch.Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts a per-channel vector over `t`."""
+    return (-1,) if geom.channel_last else (-1,) + (1,) * (t.dim() - 2)
+
+
+def _normalized(geom, x):
+    if geom.norm == "layer":
+        return F.layer_norm(x, (geom.out_features,), None, None, geom.eps)
+    if geom.norm == "rms":
+        return F.rms_norm(x, (geom.out_features,), None, geom.eps)
+    return F.group_norm(x, geom.groups, None, None, geom.eps)
+
+
 def _dense(module_op, x, geom, delta, s):
+    if geom.norm:
+        return _normalized(geom, x) * delta.reshape(_channels(geom, x)) * s
     if geom.conv_dims == 0:
         return F.linear(x, delta) * s
     if geom.padding_mode != "zeros":
@@ -110,12 +127,11 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
     for slot, delta in layer.dense.items():
         if slot in dead:
             continue
-        s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
+        s = _slot_scale(scale, slot, x.shape[0], out.dim())
         out = _inplace_add(out, _dense(module, xd, geom, delta, s).to(out.dtype))
     for slot, bias in layer.bias.items():
         if slot in dead:
             continue
-        s = _slot_scale(scale, slot, x.shape[0], out.dim(), geom.conv_dims == 0)
-        shape = (-1,) if geom.conv_dims == 0 else (-1,) + (1,) * geom.conv_dims
-        out = _inplace_add(out, (bias.reshape(shape) * s).to(out.dtype))
+        s = _slot_scale(scale, slot, x.shape[0], out.dim())
+        out = _inplace_add(out, (bias.reshape(_channels(geom, out)) * s).to(out.dtype))
     return out

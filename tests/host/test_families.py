@@ -33,15 +33,6 @@ REL_TOL = 5e-5
 BASE_MARGIN = 10.0
 RUN_TIMEOUT = 600.0
 
-XFAIL = {
-    "wan21/lightx2v-norms": pytest.mark.xfail(strict=True, reason=(
-        "engine defect: .diff / .diff_b on normalisation weights (lightx2v distill files carry them on "
-        "self_attn/cross_attn norm_q, norm_k and norm3) are left unmatched: KeyMap binds only Linear and "
-        "Conv modules (lora_engine/keymap.py:18, 47, 86), while ComfyUI maps every diffusion_model.*.weight "
-        "(comfy/lora.py:191-198) and fuses the diffs (comfy/lora.py:72-82)")),
-}
-
-
 @pytest.fixture(scope="module")
 def rows(comfy_root, comfy_python, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("families") / "rows.jsonl"
@@ -82,7 +73,7 @@ def problems(row: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=XFAIL.get(c.id, ())) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_stack_matches_comfy_fused(case, rows):
     assert case.id in rows, f"{SCRIPT.name} reported no row for {case.id}"
     found = problems(rows[case.id])
