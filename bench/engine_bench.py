@@ -137,25 +137,32 @@ class BareGemms:
 
 def paired(variants: dict, step, device, rounds: int, before) -> dict:
     """Each round runs every variant once, in a rotating order (`before` resets between variants);
-    per variant: its times, the median step in ms and the median over rounds of its ratio to the round's base."""
+    per variant: its wall times, the median step in ms, and the medians over rounds of its ratio to the
+    round's base in wall time and in this process's CPU time (which other jobs' load moves less)."""
     names = list(variants)
     for name in names:  # warm-up
         before()
         variants[name]()
         step()
     times = {n: [] for n in names}
+    cpu = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             before()
             variants[name]()
             sync(device)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             step()
             sync(device)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+
+    def ratio(series, n):
+        return statistics.median(t / b for t, b in zip(series[n], series["base"]))
+
     before()
-    return {n: {"ms": statistics.median(times[n]) * 1e3, "times": times[n],
-                "ratio": statistics.median(t / b for t, b in zip(times[n], times["base"]))} for n in names}
+    return {n: {"ms": statistics.median(times[n]) * 1e3, "times": times[n], "ratio": ratio(times, n),
+                "cpu_ratio": ratio(cpu, n)} for n in names}
 
 
 def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
@@ -192,8 +199,11 @@ def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
             m.weight.copy_(backups[n])
     extra_ms = (steps["ours"]["ratio"] - 1) * steps["base"]["ms"]
     even = f"{(refuse_t - change) * 1e3 / extra_ms:.0f} steps" if extra_ms > 0 else "never"
-    return (f"{k:>2} | {steps['base']['ms']:7.1f} | {steps['ours']['ms']:7.1f} | {steps['ours']['ratio']:8.3f}x | "
-            f"{steps['bare']['ratio']:8.3f}x | {steps['one']['ratio']:16.3f}x | {change * 1e3:12.3f} ms | "
+    def both(name, width):
+        return f"{steps[name]['ratio']:.3f} / {steps[name]['cpu_ratio']:.3f}".rjust(width)
+
+    return (f"{k:>2} | {steps['base']['ms']:7.1f} | {steps['ours']['ms']:7.1f} | {both('ours', 13)} | "
+            f"{both('bare', 13)} | {both('one', 17)} | {change * 1e3:12.3f} ms | "
             f"{refuse_t:6.2f} s | {even:>10} | {statistics.median(activations) * 1e3:18.1f} ms")
 
 
@@ -213,7 +223,7 @@ def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat:
     ratio = statistics.median(p / s for p, s in zip(steps["per_item"]["times"], steps["shared"]["times"]))
     return (f"\nper-item strengths, k={len(chosen)}, batch {items} x {tokens} tokens: shared {steps['shared']['ms']:.1f} ms "
             f"({steps['shared']['ratio']:.3f}x base), per item {steps['per_item']['ms']:.1f} ms "
-            f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x")
+            f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x wall")
 
 
 def main() -> None:
@@ -223,7 +233,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=9, help="paired rounds per k")
     ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
     ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
@@ -250,10 +260,10 @@ def main() -> None:
     cache = AdapterCache(max_items=max(ks))
     adapters = [cache.load(p) for p in paths]  # the cache is warm from here on
 
-    header = (f"{'k':>2} | {'base ms':>7} | {'ours ms':>7} | {'ours/base':>9} | {'bare/base':>9} | "
+    header = (f"{'k':>2} | {'base ms':>7} | {'ours ms':>7} | {'ours / base':>13} | {'bare / base':>13} | "
               f"{'1 live + k-1 at 0':>17} | {'strength change':>15} | {'re-fuse':>8} | {'break-even':>10} | "
               f"{'activate (warm cache)':>21}")
-    print("\n" + header)
+    print("\nstep ratios are wall / CPU time, medians of per-round ratios\n" + header)
     print("-" * len(header))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     backups = {n: m.weight.detach().clone() for n, m in linears.items()}  # what a fusing loader keeps
