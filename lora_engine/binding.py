@@ -90,31 +90,43 @@ class ModulePlan:
     def rank(self) -> int:
         return sum(p.patch.weight.rank for p in self.pieces if p.patch.weight is not None) if self.low_rank else 0
 
-    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [R, in, *k] and B [out, R] (scale folded in) for the whole module, slices placed."""
-        g = self.geometry
-        parts = [p for p in self.pieces if p.patch.weight is not None]
-        if len(parts) == 1 and parts[0].out_slice is None:  # one piece over the whole layer: no assembly
-            w = parts[0].patch.weight
-            a = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
-            b = parts[0].order(w.scaled_up()).to(dtype)
-        else:
-            rank = sum(p.patch.weight.rank for p in parts)
-            a = torch.empty((rank, g.in_features, *g.kernel), dtype=dtype)
-            b = torch.zeros((g.out_features, rank), dtype=dtype)
-            at = 0
-            for p in parts:
-                w = p.patch.weight
-                a[at:at + w.rank] = w.down.reshape(w.rank, g.in_features, *g.kernel).to(dtype)
-                start, size = p.out_slice or (0, g.out_features)
-                b[start:start + size, at:at + w.rank] = p.order(w.scaled_up()).to(dtype)
-                at += w.rank
-        # The reader has checked every stored tensor; A can only overflow when cast into a narrower range.
-        narrower = any(_max(p.patch.weight.down.dtype) > _max(dtype) for p in parts)
-        if not (bool(torch.isfinite(b).all()) and (not narrower or bool(torch.isfinite(a).all()))):
-            raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
-                                 remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
-        return a, b
+    def check_factors(self, dtype: torch.dtype) -> None:
+        """Raise before any slot is written when A or s·B would overflow `dtype`. The reader has checked
+        that every stored tensor is finite, so only a cast into a narrower range or the scale can overflow;
+        the maxima are read only where the dtypes' ranges leave that possible."""
+        limit = _max(dtype)
+
+        def overflows(t: torch.Tensor, scale: float) -> bool:
+            return _max(t.dtype) * scale > limit and float(t.abs().amax()) * scale > limit
+
+        for p in self.pieces:
+            w = p.patch.weight
+            if w is not None and (overflows(w.down, 1.0) or overflows(w.up, abs(w.scale))):
+                raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
+                                     remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
+
+    def write_factors(self, a: torch.Tensor, b: torch.Tensor) -> int:
+        """A into `a` [R, in, *k] and s·B into `b` [out, R] (one slot's rows and columns, zero where no piece
+        writes), copied from the adapter's tensors without staging; returns the bytes written."""
+        g, at, nbytes = self.geometry, 0, 0
+        for p in self.pieces:
+            w = p.patch.weight
+            if w is None:
+                continue
+            start, size = p.out_slice or (0, g.out_features)
+            dst_a, dst_b = a[at:at + w.rank], b[start:start + size, at:at + w.rank]
+            dst_a.copy_(w.down.reshape(dst_a.shape), non_blocking=True)
+            up = p.order(w.up)
+            if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
+                # an exact copy, then one rounding of s·B
+                dst_b.copy_(up, non_blocking=True)
+                if w.scale != 1.0:
+                    dst_b.mul_(w.scale)
+            else:  # s·B in fp32, rounded once into the narrower dtype
+                dst_b.copy_(up.float() * w.scale)
+            at += w.rank
+            nbytes += (dst_a.numel() + dst_b.numel()) * a.element_size()
+        return nbytes
 
     def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
         """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed; None when no piece has a weight."""
@@ -287,4 +299,7 @@ def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tens
 
 
 def _max(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).max if dtype.is_floating_point else float("inf")
+    """The largest magnitude a tensor of `dtype` can hold (a file may store factors as integers or bools)."""
+    if dtype.is_floating_point:
+        return torch.finfo(dtype).max
+    return 1.0 if dtype == torch.bool else float(torch.iinfo(dtype).max)

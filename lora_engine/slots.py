@@ -262,7 +262,11 @@ class SlotBank:
                     kept.append(b.adapter.name)
                     continue
                 slot = self.slots.index(None)
-                nbytes += self._write(slot, b, staged[id(b.adapter)])
+                try:
+                    nbytes += self._write(slot, b, staged[id(b.adapter)])
+                except BaseException:
+                    self._clear_slot(slot)  # a free slot is zero: the next write adds only its own pieces
+                    raise
                 self.slots[slot] = b.adapter
                 copied.append(b.adapter.name)
             slot_of = {j: self._slot_of(a) for j, a in enumerate(wanted)}
@@ -372,8 +376,8 @@ class SlotBank:
         staged = {}
         for name, plan in b.plans.items():
             if plan.low_rank:
-                lr = plan.factors(self.dtype) if plan.rank else None
-                staged[name] = ("low-rank", lr, plan.bias())
+                plan.check_factors(self.dtype)
+                staged[name] = ("low-rank", plan if plan.rank else None, plan.bias())
             else:
                 base = self.weight_fn(plan.module) if any(p.patch.dora_scale is not None
                                                           for p in plan.pieces) else None
@@ -390,14 +394,11 @@ class SlotBank:
             if layer is None:
                 layer = self.layers[name] = LayerSlots(self, name, b.plans[name].module)
             if kind == "low-rank" and payload is not None:
-                a, bm = payload
-                r = a.shape[0]
+                r = payload.rank
                 layer.ensure_rank(max(r, self.slot_rank))
                 lo = slot * layer.rank
-                layer.a[lo:lo + r].copy_(a, non_blocking=True)
-                layer.b[:, lo:lo + r].copy_(bm, non_blocking=True)
-                layer.lr_used.add(slot)
-                nbytes += a.numel() * a.element_size() + bm.numel() * bm.element_size()
+                layer.lr_used.add(slot)  # first: a failed write is zeroed by clear()
+                nbytes += payload.write_factors(layer.a[lo:lo + r], layer.b[:, lo:lo + r])
             elif kind == "dense" and payload is not None:
                 layer.dense[slot] = payload.to(device=self.device, dtype=self.dtype, non_blocking=True)
                 nbytes += payload.numel() * layer.dense[slot].element_size()
