@@ -465,6 +465,16 @@ def print_tables(rows, ks, paths) -> None:
               f"{ratio(g('first_ours'), g('first_fused')):>8} {ratio(g('first_ours'), g('first_bypass')):>8} | "
               f"{ratio(g('mem_ours'), g('mem_fused')):>7} {ratio(g('mem_ours'), g('mem_bypass')):>7}")
 
+    print("\nafter a slider move: steps until the fused path's re-patch is paid back by its cheaper steps, "
+          "(fused re-patch - ours†) / (our step - fused step)")
+    for k in ks:
+        r = rows[k]
+        if not all(n in r for n in ("step_ours", "step_fused", "strength_fused", "strength_ours_comfy")):
+            continue
+        extra = r["step_ours"] - r["step_fused"]
+        saved = r["strength_fused"] - r["strength_ours_comfy"]
+        print(f"{k:>2} | " + (f"{saved / extra:.0f} steps" if extra > 0 else "never: our step was not slower"))
+
 
 if __name__ == "__main__":
     sys.exit(main())
