@@ -7,17 +7,25 @@ Run with ComfyUI's python (tests/host/test_families.py does, once per session):
 Per family (Flux, SDXL, Wan 2.1/2.2, Qwen-Image) a tiny model of ComfyUI's own class is built from a
 unet_config (`tools.comfy_inprocess.build_model`, fp32, CPU, random weights), and synthetic LoRA files are
 written in the key layouts real files of that family use, every prefix checked against
-`comfy.lora.model_lora_keys_unet`. For each case (one file, or several stacked at different strengths)
-three forwards of the diffusion model on the same inputs:
+`comfy.lora.model_lora_keys_unet`. The base weights are also written as a diffusion-model file (ComfyUI's
+native key names, as UNETLoader reads them), for DistillFuse's stored-weight lookup. For each case (one
+file, or several stacked at different strengths) four forwards of the diffusion model on the same inputs:
 
-    ours   bridge.apply_stack on the adapters from the engine's cache (ComfyUI's convert_lora), then
-           comfy.model_management.load_models_gpu: the stack is injected as slot hooks
-    fused  comfy.sd.load_lora_for_models per file, then load_models_gpu: W + s·ΔW written into the weights
-    base   the model without LoRAs (and again after each case: both paths must leave it untouched)
+    ours     bridge.apply_stack on the adapters from the engine's cache (ComfyUI's convert_lora), then
+             comfy.model_management.load_models_gpu: the stack is injected as slot hooks
+    fused    comfy.sd.load_lora_for_models per file, then load_models_gpu: W + s·ΔW written into the weights
+    distill  lora_engine.fuse per file in stack order, as nodes/distill.py's load_fused calls it (root
+             model.model, keymap bridge.unet_keymap(root), originals bridge.stored_weights(<base file>, root),
+             model_name type(root).__name__); then every file fused again at its strength, which must be
+             a no-op, and the forward again; then the weights restored from a copy taken before
+    base     the model without LoRAs (and again after each case: every path must leave it untouched)
 
 One JSON line per case: max|ours − fused|, max|base − fused|, max|fused|, the layers ComfyUI patched
 against the layers our bank holds, the file keys ComfyUI loaded against the keys our bindings use
-(`<file index>:<key>`), and the keys ComfyUI did not load. A case that raises reports its error.
+(`<file index>:<key>`), and the keys ComfyUI did not load; for the distill side (`distill_*`): max|distill −
+fused|, the layers the ledger says our fusion wrote against those ComfyUI patched and against those whose
+weight or bias actually changed, each FuseResult, and the second fusions' results. A case that raises
+reports its error (the distill side its own, `distill_error`, so the other comparison still stands).
 
 This module imports neither torch nor ComfyUI at import time: the tests read `CASES` from it.
 """
@@ -367,6 +375,10 @@ class FamilyRun:
         self.base = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
                                 expect=fam.expect, resize=fam.resize)
         self.root = self.base.model
+        # The base model as a diffusion-model file (keys without `diffusion_model.`, as UNETLoader's files):
+        # DistillFuse fuses from the file's stored weights (bridge.stored_weights), not the loaded ones.
+        self.unet_path = os.path.join(folder, f"{name}_unet.safetensors")
+        save_file({k: v.contiguous() for k, v in self.root.diffusion_model.state_dict().items()}, self.unet_path)
         self.inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
         self.base_out = self.forward()
         modules = dict(self.root.named_modules())
@@ -431,12 +443,67 @@ class FamilyRun:
         self.reset()
         return out, layers, backups, loaded, not_loaded
 
+    def distill(self, case: Case, fused_out, comfy_layers: set) -> dict:
+        """The case fused by our engine as DistillFuse fuses (nodes/distill.py load_fused), each file in stack
+        order into the one model; then fused again (a no-op), then the weights restored from a copy."""
+        from lora_engine import fuse, ledger_of
+        from lora_engine.fuse import LEDGER_ATTR
+        torch, root = self.torch, self.root
+        keymap = self.bridge.unet_keymap(root)
+        before = {k: v.clone() for k, v in root.state_dict().items()}
+        try:
+            from_loaded = set()  # layers the file lookup did not find: fused from the loaded weight instead
+
+            def fuse_all():
+                with self.bridge.stored_weights(self.unet_path, root) as stored:
+                    def originals(name: str):
+                        t = stored(name)
+                        if t is None:
+                            from_loaded.add(name)
+                        return t
+
+                    return [fuse(root, self.files[layout][1], strength, keymap=keymap, originals=originals,
+                                 check=self.bridge.check_interrupt, model_name=type(root).__name__)
+                            for layout, strength in case.entries]
+
+            first = fuse_all()
+            self.mm.load_models_gpu([self.base])  # as a sampler loads the model DistillFuse returns
+            out = self.forward()
+            ledger = ledger_of(root)
+            fusions = list(ledger.fusions.values()) if ledger is not None else []
+            written = set().union(*(f.modules for f in fusions))
+            again = fuse_all()
+            out_again = self.forward()
+            changed = {_module(k) for k, v in root.state_dict().items() if not torch.equal(v, before[k])}
+        finally:
+            current = root.state_dict()
+            with torch.no_grad():
+                for k, v in before.items():
+                    if not torch.equal(current[k], v):
+                        current[k].copy_(v)
+            root.__dict__.pop(LEDGER_ATTR, None)  # the next case fuses into a model with no fusion history
+        return {
+            "distill_vs_fused": (out - fused_out).abs().max().item(),
+            "distill_layers": len(written),
+            "distill_results": [[r.fused, r.layers, r.reason] for r in first],
+            "distill_ledger": [[f.adapter.name, f.strength, len(f.modules)] for f in fusions],
+            "comfy_only_vs_distill": sorted(comfy_layers - written),
+            "distill_only_layers": sorted(written - comfy_layers),
+            "distill_unrecorded_layers": sorted(changed - written),  # weights changed, not in the ledger
+            "distill_unchanged_layers": sorted(written - changed),  # in the ledger, weights unchanged
+            "distill_from_loaded": sorted(from_loaded),
+            "refuse_results": [[r.fused, r.layers, r.reason] for r in again],
+            "refuse_identical": torch.equal(out_again, out),
+            "distill_base_restored": torch.equal(self.forward(), self.base_out),
+        }
+
     def run(self, case: Case) -> dict:
         self.reset()
         ours_out, ours_layers, ours_keys = self.ours(case)
         ours_clean = self.torch.equal(self.forward(), self.base_out)
         fused_out, comfy_layers, backups, comfy_keys, not_loaded = self.fused(case)
         fused_clean = self.torch.equal(self.forward(), self.base_out)
+        distill, distill_error = attempt(self.distill, case, fused_out, comfy_layers)
         return {
             "model": type(self.root).__name__,
             "ours_vs_fused": (ours_out - fused_out).abs().max().item(),
@@ -447,6 +514,7 @@ class FamilyRun:
             "ours_only_layers": sorted(ours_layers - comfy_layers),
             "comfy_only_keys": sorted(comfy_keys - ours_keys), "ours_only_keys": sorted(ours_keys - comfy_keys),
             "not_loaded_by_comfy": sorted(not_loaded), "base_restored": ours_clean and fused_clean,
+            **(distill if distill_error is None else {"distill_error": distill_error}),
         }
 
 
@@ -470,6 +538,9 @@ def main() -> int:
     from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
     comfy = import_comfy(find_comfy(args.comfy), "cpu")
     import torch
+    # One thread: the models are tiny, and on a shared CPU each parallel op's thread hand-off waits for the
+    # scheduler (measured on a loaded 2-core machine: 105 s with 2 threads, 10 s with 1).
+    torch.set_num_threads(1)
     bridge = import_bridge()
     rows = []
     with tempfile.TemporaryDirectory(prefix="multilora-families-") as folder:
