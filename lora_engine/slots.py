@@ -177,6 +177,7 @@ class SlotBank:
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
         self._live_key: bytes | None = None  # the zero pattern the layers' live slots were found for
+        self._weights_key: tuple | None = None  # the layer weights (and batch) the layers' factors were set for
         self.all_zero = True
         self.active = False
         self.lock = threading.RLock()
@@ -204,14 +205,17 @@ class SlotBank:
     # -- binding ---------------------------------------------------------------------------------------
 
     def binding(self, adapter: Adapter) -> Binding:
-        key = id(adapter)
-        b = self._bindings.get(key)
-        if b is None or b.adapter is not adapter:
-            b = bind(adapter, self.keymap, self.model_name)
-            self._bindings[key] = b
-            self._prune_bindings(keep=key)
-        self._bindings.move_to_end(key)
-        return b
+        """The adapter bound to this model, kept while it is resident (and for a few recent others), so that
+        re-running a stack binds nothing again."""
+        with self.lock:
+            key = id(adapter)
+            b = self._bindings.get(key)
+            if b is None or b.adapter is not adapter:
+                b = bind(adapter, self.keymap, self.model_name)
+                self._bindings[key] = b
+                self._prune_bindings(keep=key)
+            self._bindings.move_to_end(key)
+            return b
 
     def _prune_bindings(self, keep: int | None = None) -> None:
         """Keep the bindings of resident adapters, and a few recent others. A binding holds its adapter,
@@ -272,9 +276,14 @@ class SlotBank:
             slot_of = {j: self._slot_of(a) for j, a in enumerate(wanted)}
             self._schedules = {slot_of[j]: e.schedule for j, e in enumerate(merged.values())
                                if e.schedule is not None}
-            self._set_layer_weights({slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
-                                     if e.layer_weights is not None}, batch)
-            self._live_key = None  # slots and layers changed: find the live slots again
+            weights = {slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
+                       if e.layer_weights is not None}
+            weights_key = (weights, batch if weights else None)
+            if copied or weights_key != self._weights_key:  # a newcomer may have brought new layers
+                self._set_layer_weights(weights, batch)
+                self._weights_key = weights_key
+            if copied or released:
+                self._live_key = None  # slots and layers changed: find the live slots again
             self._set_strengths({slot_of[j]: strengths[:, j] if batch is not None else strengths[j]
                                  for j in range(len(wanted))}, batch=batch)
             self.active = True
@@ -326,6 +335,7 @@ class SlotBank:
             self.layers.clear()
             self.slots = [None] * self.max_loras
             self._bindings.clear()
+            self._live_key = self._weights_key = None
             self.active = False
             with _BANKS_LOCK:
                 _BANKS.discard(self)

@@ -227,3 +227,49 @@ def test_factors_that_overflow_the_model_dtype_are_refused(tmp_path, where):
     with pytest.raises(NonFiniteError, match="not finite in torch.float16"):
         bank.activate([(adapter, 1.0)])
     assert bank.slots == [None]
+
+
+def test_a_slider_move_binds_nothing_and_keeps_layer_weights_right(adapters, monkeypatch):
+    """Re-activating resident adapters at other strengths re-binds no adapter and walks no layer again,
+    and layer weights switched on, kept, and switched off on resident adapters still give the right output."""
+    import lora_engine.slots as slots
+    from lora_engine import Entry
+
+    calls = {"bind": 0, "live": 0}
+    real_bind, real_live = slots.bind, slots.LayerSlots.set_live
+
+    def counting_bind(*a, **kw):
+        calls["bind"] += 1
+        return real_bind(*a, **kw)
+
+    def counting_live(self, live):
+        calls["live"] += 1
+        return real_live(self, live)
+
+    monkeypatch.setattr(slots, "bind", counting_bind)
+    monkeypatch.setattr(slots.LayerSlots, "set_live", counting_live)
+    a, b = adapters[:2]
+    x = lf.tiny_input()
+    refs = {s: solo([(a, s), (b, 0.25)], x) for s in (0.75, -0.5, 1.0, 0.6)}
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    calls.update(bind=0, live=0)
+    bank.activate([(a, 0.5), (b, 0.25)])
+    assert calls["bind"] == 2 and calls["live"] > 0
+    calls.update(bind=0, live=0)
+    for s in (0.75, -0.5, 1.0):
+        bank.activate([(a, s), (b, 0.25)])
+        assert torch.allclose(run(model, x), refs[s], atol=TOL)
+    assert calls == {"bind": 0, "live": 0}  # same zero pattern, same slots: nothing to find again
+
+    weighted = {"head": 0.0, "ff": 2.0}
+    bank.activate([Entry(a, 1.0, layer_weights=weighted), (b, 0.25)])
+    on = run(model, x)
+    bank.activate([Entry(a, 0.6, layer_weights=weighted), (b, 0.25)])  # the weights stay, the strength moves
+    moved = run(model, x)
+    bank.activate([(a, 0.6), (b, 0.25)])  # the weights go
+    assert torch.allclose(run(model, x), refs[0.6], atol=TOL)
+    bank.activate([Entry(a, 1.0, layer_weights=weighted), (b, 0.25)])
+    assert torch.equal(run(model, x), on)
+    assert not torch.allclose(moved, on, atol=1e-4)
+    assert calls["bind"] == 0

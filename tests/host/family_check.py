@@ -415,6 +415,7 @@ class FamilyRun:
         self.mm.load_models_gpu([clone])
         out = self.forward()
         bank = self.root.__dict__["_lora_engine_bank"]
+        self.rebinds = self.slider_move(adapters, [0.5 * s for s in strengths])
         layers = {n for n, layer in bank.layers.items() if not layer.empty}
         keys = set()
         for i, a in enumerate(adapters):
@@ -422,6 +423,28 @@ class FamilyRun:
                 keys |= {f"{i}:{key}" for p in plan.pieces for key in p.patch.source_keys}
         self.reset()
         return out, layers, keys
+
+    def slider_move(self, adapters, strengths) -> int:
+        """How many times an adapter is bound again when the same stack runs at other strengths (MultiLoRALoader
+        re-run, then ComfyUI loading its new clone): the bank's bindings make it 0."""
+        import lora_engine.slots as slots
+        count = [0]
+        real = {self.bridge: self.bridge.bind, slots: slots.bind}
+
+        def counting(*a, **kw):
+            count[0] += 1
+            return real[self.bridge](*a, **kw)
+
+        try:
+            for mod in real:
+                mod.bind = counting
+            k = len(adapters)
+            clone = self.bridge.apply_stack(self.base, None, adapters, strengths, [0.0] * k, k)[0]
+            self.mm.load_models_gpu([clone])
+        finally:
+            for mod, fn in real.items():
+                mod.bind = fn
+        return count[0]
 
     def fused(self, case: Case) -> tuple:
         model, loaded, not_loaded = self.base, set(), set()
@@ -514,6 +537,7 @@ class FamilyRun:
             "ours_only_layers": sorted(ours_layers - comfy_layers),
             "comfy_only_keys": sorted(comfy_keys - ours_keys), "ours_only_keys": sorted(ours_keys - comfy_keys),
             "not_loaded_by_comfy": sorted(not_loaded), "base_restored": ours_clean and fused_clean,
+            "slider_move_binds": self.rebinds,
             **(distill if distill_error is None else {"distill_error": distill_error}),
         }
 

@@ -71,6 +71,8 @@ def problems(row: dict) -> list[str]:
     if row["not_loaded_by_comfy"]:
         out.append(f"the synthetic file has keys ComfyUI does not load (its layout is wrong): "
                    f"{row['not_loaded_by_comfy'][:5]}")
+    if row["slider_move_binds"]:
+        out.append(f"the same stack at other strengths bound its adapters again ({row['slider_move_binds']} binds)")
     if not row["base_restored"]:
         out.append("the base model's output changed after a path was unloaded")
     for side in ("comfy", "ours"):
