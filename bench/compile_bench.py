@@ -12,7 +12,6 @@ round, the compiled step with k adapters against the compiled base step, and the
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -22,18 +21,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.engine_bench import HIDDEN, MLP, Model, paired, sync, write_adapter  # noqa: E402
+from bench.engine_bench import DTYPES, HIDDEN, MLP, Model, model_args, paired, sync, write_adapter  # noqa: E402
 from bench.machine import machine_line  # noqa: E402
 from lora_engine import AdapterCache, Entry, Schedule, SlotBank  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rank", type=int, default=32)
+    ap = model_args(__doc__)
     ap.add_argument("--k", type=int, default=4, help="adapters held (one more is written, for the swap)")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
@@ -42,7 +36,7 @@ def main() -> int:
     except ImportError:
         sys.exit("this torch build has no dynamo")
     device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.manual_seed(0)
     model = Model(args.blocks, HIDDEN, MLP).to(device, dtype).eval()

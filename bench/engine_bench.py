@@ -226,20 +226,29 @@ def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat:
             f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x wall")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_args(doc: str) -> argparse.ArgumentParser:
+    """The options that choose the model and the adapters, shared with compile_bench.py."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=32)
+    return ap
+
+
+def main() -> None:
+    ap = model_args(__doc__)
     ap.add_argument("--repeat", type=int, default=9, help="paired rounds per k")
     ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
     ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     ks = [int(k) for k in args.ks.split(",")]
     torch.manual_seed(0)
 

@@ -82,21 +82,31 @@ def problems(row: dict) -> list[str]:
             out.append(f"file keys only {side} used: {row[f'{side}_only_keys'][:5]}")
     if row["comfy_layers"] != row["ours_layers"]:
         out.append(f"ComfyUI patched {row['comfy_layers']} layers, our bank holds {row['ours_layers']}")
+    return out + against_fused(row, "ours")
+
+
+def against_fused(row: dict, side: str) -> list[str]:
+    """`side`'s output against ComfyUI's fused one, and whether the LoRAs move the output enough to tell."""
+    out = []
     tol = REL_TOL * row["fused_max"]
     if row["base_vs_fused"] < BASE_MARGIN * tol:
         out.append(f"the LoRAs move the output by {row['base_vs_fused']:.3g}, under {BASE_MARGIN:g} x the "
                    f"tolerance {tol:.3g}: this case could not fail")
-    if not row["ours_vs_fused"] <= tol:
-        out.append(f"max|ours - fused| = {row['ours_vs_fused']:.3g} > tolerance {tol:.3g} "
+    if not row[f"{side}_vs_fused"] <= tol:
+        out.append(f"max|{side} - fused| = {row[f'{side}_vs_fused']:.3g} > tolerance {tol:.3g} "
                    f"(max|fused| {row['fused_max']:.3g}, max|base - fused| {row['base_vs_fused']:.3g})")
     return out
 
 
+def check(case, rows, find) -> None:
+    assert case.id in rows, f"{SCRIPT.name} reported no row for {case.id}"
+    found = find(rows[case.id])
+    assert not found, f"{case.id} (strengths {rows[case.id].get('strengths')}):\n  " + "\n  ".join(found)
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_stack_matches_comfy_fused(case, rows):
-    assert case.id in rows, f"{SCRIPT.name} reported no row for {case.id}"
-    found = problems(rows[case.id])
-    assert not found, f"{case.id} (strengths {rows[case.id].get('strengths')}):\n  " + "\n  ".join(found)
+    check(case, rows, problems)
 
 
 def distill_problems(row: dict) -> list[str]:
@@ -127,18 +137,9 @@ def distill_problems(row: dict) -> list[str]:
         out.append(f"fusing the same file at the same strength again was not a no-op: {row['refuse_results']}")
     if not row["refuse_identical"]:
         out.append("the output changed after the second fusion")
-    tol = REL_TOL * row["fused_max"]
-    if row["base_vs_fused"] < BASE_MARGIN * tol:
-        out.append(f"the LoRAs move the output by {row['base_vs_fused']:.3g}, under {BASE_MARGIN:g} x the "
-                   f"tolerance {tol:.3g}: this case could not fail")
-    if not row["distill_vs_fused"] <= tol:
-        out.append(f"max|distill - fused| = {row['distill_vs_fused']:.3g} > tolerance {tol:.3g} "
-                   f"(max|fused| {row['fused_max']:.3g}, max|base - fused| {row['base_vs_fused']:.3g})")
-    return out
+    return out + against_fused(row, "distill")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_distill_fuse_matches_comfy_fused(case, rows):
-    assert case.id in rows, f"{SCRIPT.name} reported no row for {case.id}"
-    found = distill_problems(rows[case.id])
-    assert not found, f"{case.id} (strengths {rows[case.id].get('strengths')}):\n  " + "\n  ".join(found)
+    check(case, rows, distill_problems)
