@@ -42,6 +42,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lora_engine import AdapterCache, SlotBank  # noqa: E402  (after the sys.path line)
+from lora_engine.slots import Packed  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_line  # noqa: E402
@@ -226,6 +227,39 @@ def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat:
             f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x wall")
 
 
+def mixed_line(model, x, tmp: str, ranks: list[int], device, dtype, repeat: int) -> str:
+    """Adapters of different ranks: each layer computes only the filled rows of its slots (packed), against
+    the same slots computed with their padding (packing switched off)."""
+    cache = AdapterCache(max_items=len(ranks))
+    chosen = []
+    for i, r in enumerate(ranks):
+        path = os.path.join(tmp, f"mixed{i}.safetensors")
+        write_adapter(model, path, r, seed=100 + i)
+        chosen.append(cache.load(path))
+    entries = [(a, 1.0) for a in chosen]
+    bank = SlotBank(model, max_loras=len(chosen), dtype=dtype, device=device)
+
+    def with_saving(saving: float):
+        def activate():
+            Packed.SAVING = saving
+            bank.deactivate()
+            bank.release()
+            bank.activate(entries)
+        return activate
+
+    default = Packed.SAVING
+    try:
+        with torch.inference_mode():
+            steps = paired({"base": bank.deactivate, "packed": with_saving(default), "padded": with_saving(0.0)},
+                           lambda: model(x), device, repeat, before=lambda: None)
+    finally:
+        Packed.SAVING = default
+        bank.release()
+    return (f"\nranks {','.join(map(str, ranks))}: packed {steps['packed']['ratio']:.3f} / "
+            f"{steps['packed']['cpu_ratio']:.3f} x base, padded {steps['padded']['ratio']:.3f} / "
+            f"{steps['padded']['cpu_ratio']:.3f} x base (wall / CPU)")
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -246,6 +280,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
     ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
+    ap.add_argument("--mixed", default="16,16,32,128", help="ranks of the mixed-rank line (empty: skip)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -278,6 +313,8 @@ def main() -> None:
     backups = {n: m.weight.detach().clone() for n, m in linears.items()}  # what a fusing loader keeps
     for k in ks:
         print(row(model, x, adapters[:k], linears, backups, device, dtype, args.repeat), flush=True)
+    if args.mixed:
+        print(mixed_line(model, x, tmp, [int(r) for r in args.mixed.split(",")], device, dtype, args.repeat))
     if args.grid:
         print(per_item_line(model, adapters[:min(4, len(adapters))], args.grid, args.grid_tokens, device, dtype,
                             args.repeat))

@@ -108,16 +108,42 @@ def _dense(module_op, x, geom, delta, s):
     return _CONV[geom.conv_dims](x, delta, None, geom.stride, padding, geom.dilation, geom.groups) * s
 
 
+def _packed_linear(x, packed, columns, out):
+    h = F.linear(x, packed.a)
+    if columns.dim() == 1:
+        h = h * columns
+    else:
+        s = item_scale(columns, x.shape[0])
+        h = h * s.reshape(s.shape[0], *(1,) * (h.dim() - 2), -1)
+    return _add(out, h, packed.b)
+
+
+def _packed_conv(x, geom, packed, columns, out):
+    conv = _CONV[geom.conv_dims]
+    h = conv(x, packed.a, None, geom.stride, geom.padding, geom.dilation)
+    spatial = (1,) * (h.dim() - 2)
+    s = columns.reshape(1, -1, *spatial) if columns.dim() == 1 else \
+        item_scale(columns, x.shape[0]).reshape(x.shape[0], -1, *spatial)
+    y = conv(h * s, packed.b.reshape(*packed.b.shape, *spatial))
+    return _inplace_add(out, y)
+
+
 def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor,
-          every_slot: bool = False) -> torch.Tensor:
+          every_slot: bool = False, packed=None, columns: torch.Tensor | None = None) -> torch.Tensor:
     """`out` plus every live slot's contribution; `layer` is the module's `LayerSlots`. Only the low-rank
-    slots 0..hi-1 enter the GEMMs (a slot below hi with strength 0 adds exact zeros). `every_slot`
-    computes every held slot, whatever its strength: a graph that does not depend on the strengths."""
+    slots 0..hi-1 enter the GEMMs (a slot below hi with strength 0 adds exact zeros), or, with `packed`,
+    only the live slots' filled rows, scaled by `columns` (the strengths expanded to those rows).
+    `every_slot` computes every held slot, whatever its strength: a graph that does not depend on them."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
     hi = layer.n if every_slot and layer.lr_used else layer.hi
     dead = set() if every_slot else layer.dead
-    if hi:
+    if packed is not None:
+        if geom.conv_dims == 0:
+            out = _packed_linear(xd, packed, columns, out)
+        else:
+            out = _packed_conv(xd, geom, packed, columns, out)
+    elif hi:
         rows = hi * layer.rank
         a, b, s = layer.a[:rows], layer.b[:, :rows], scale[..., :hi]
         if geom.conv_dims == 0:

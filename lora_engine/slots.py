@@ -84,6 +84,8 @@ class LayerSlots:
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
         self.hi = 0  # the low-rank slots 0..hi-1 are computed: hi - 1 is the last live one
+        self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
+        self.packed: Packed | None = None  # the live slots' rows alone, when that saves enough of the GEMMs
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
         self.idle = True  # no live slot at all
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
@@ -93,7 +95,8 @@ class LayerSlots:
         return not (self.lr_used or self.dense or self.bias)
 
     def nbytes(self) -> int:
-        ts = [self.a, self.b, *self.dense.values(), *self.bias.values()]
+        packed = (self.packed.a, self.packed.b) if self.packed is not None else ()
+        ts = [self.a, self.b, *packed, *self.dense.values(), *self.bias.values()]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def _hook(self, module, args, kwargs, out):
@@ -106,16 +109,23 @@ class LayerSlots:
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
-        scale = bank.scale if self.factor is None else bank.scale * self.factor
-        return runtime.apply(self, module, x, out, scale, every_slot=compiling)
+        packed = None if compiling else self.packed
+        if self.factor is None:
+            scale = bank.scale
+            columns = None if packed is None else bank.column_scale(packed)
+        else:
+            scale = bank.scale * self.factor
+            columns = None if packed is None else scale.index_select(-1, packed.columns)
+        return runtime.apply(self, module, x, out, scale, every_slot=compiling, packed=packed, columns=columns)
 
     def set_live(self, live: list[bool]) -> None:
         """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
-        lr = [s for s in self.lr_used if live[s]]
-        self.hi = max(lr) + 1 if lr else 0
+        lr = sorted(s for s in self.lr_used if live[s])
+        self.hi = lr[-1] + 1 if lr else 0
         extra = set(self.dense) | set(self.bias)
         self.dead = {s for s in extra if not live[s]}
         self.idle = not lr and not (extra - self.dead)
+        self.packed = Packed.of(self, lr)
 
     def ensure_rank(self, rank: int) -> None:
         if rank <= self.rank:
@@ -131,6 +141,7 @@ class LayerSlots:
         self.bank.reallocations += 1
 
     def clear(self, slot: int) -> None:
+        self.ranks.pop(slot, None)
         if slot in self.lr_used:
             self.a[slot * self.rank:(slot + 1) * self.rank].zero_()
             self.b[:, slot * self.rank:(slot + 1) * self.rank].zero_()
@@ -145,6 +156,36 @@ class LayerSlots:
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
         if self.factor is not None:
             self.factor = self.factor.to(device)
+        self.packed = None if self.packed is None else self.packed.to(device)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A layer's live low-rank slots with their padding and dead slots cut out: A [Σr, in, *k], B [out, Σr],
+    and the slot of each of the Σr columns. The strengths are expanded to those columns once per change
+    (`SlotBank.column_scale`), so a step costs the same operations as with the slot buffers."""
+
+    key: tuple[tuple[int, int], ...]  # (slot, rows) of each live slot, in order
+    a: torch.Tensor
+    b: torch.Tensor
+    columns: torch.Tensor  # [Σr] long: the slot of each column
+
+    SAVING = 0.75  # pack when the live rows are at most this share of the rows the slot buffers compute
+
+    @classmethod
+    def of(cls, layer: LayerSlots, live: list[int]) -> Packed | None:
+        if not live:
+            return None
+        key = tuple((s, layer.ranks.get(s, layer.rank)) for s in live)
+        if sum(r for _, r in key) > cls.SAVING * layer.hi * layer.rank:
+            return None
+        rows = [torch.arange(s * layer.rank, s * layer.rank + r) for s, r in key]
+        index = torch.cat(rows).to(layer.a.device)
+        columns = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(layer.a.device)
+        return cls(key, layer.a.index_select(0, index), layer.b.index_select(1, index), columns)
+
+    def to(self, device: torch.device) -> Packed:
+        return Packed(self.key, self.a.to(device), self.b.to(device), self.columns.to(device))
 
 
 class SlotBank:
@@ -177,6 +218,7 @@ class SlotBank:
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
         self._live_key: bytes | None = None  # the zero pattern the layers' live slots were found for
+        self._columns: dict[tuple, torch.Tensor] = {}  # Packed.key -> the scale expanded to its columns
         self._weights_key: tuple | None = None  # the layer weights (and batch) the layers' factors were set for
         self.all_zero = True
         self.active = False
@@ -350,6 +392,7 @@ class SlotBank:
             if self._item_strengths is not None:
                 self._item_strengths = self._item_strengths.to(device)
             self.scale = self.scale.to(device)
+            self._columns = {}
             self.device = torch.device(device)
 
     # -- state for status routes -----------------------------------------------------------------------
@@ -408,6 +451,7 @@ class SlotBank:
                 layer.ensure_rank(max(r, self.slot_rank))
                 lo = slot * layer.rank
                 layer.lr_used.add(slot)  # first: a failed write is zeroed by clear()
+                layer.ranks[slot] = r
                 nbytes += payload.write_factors(layer.a[lo:lo + r], layer.b[:, lo:lo + r])
             elif kind == "dense" and payload is not None:
                 layer.dense[slot] = payload.to(device=self.device, dtype=self.dtype, non_blocking=True)
@@ -460,7 +504,16 @@ class SlotBank:
             self._item_strengths.copy_(values)
             self.scale = self._item_strengths
         self.all_zero = not bool(values.any())
+        self._columns = {}
         self._refresh_live(values)
+
+    def column_scale(self, packed: Packed) -> torch.Tensor:
+        """The strengths expanded to a packed layer's columns, [Σr] or [batch, Σr]: one gather per pattern
+        of live slots and ranks per strength change, shared by every layer with that pattern."""
+        cols = self._columns.get(packed.key)
+        if cols is None:
+            cols = self._columns[packed.key] = self.scale.index_select(-1, packed.columns)
+        return cols
 
     def _refresh_live(self, values: torch.Tensor) -> None:
         """Tell every layer its live slots; skipped when the zero pattern of the strengths is unchanged."""

@@ -273,3 +273,52 @@ def test_a_slider_move_binds_nothing_and_keeps_layer_weights_right(adapters, mon
     assert torch.equal(run(model, x), on)
     assert not torch.allclose(moved, on, atol=1e-4)
     assert calls["bind"] == 0
+
+
+def test_packed_slots_compute_only_live_rows(tmp_path):
+    """Mixed ranks pad the small adapters' slots, and a warm slot at 0 may sit before a live one: each layer
+    then computes only the live slots' filled rows, with the same output as every slot computed."""
+    model = lf.tiny()
+    small = load_adapter(lf.write(tmp_path, "small.safetensors", lf.lora_tensors(model, "kohya", 1, rank=2)),
+                         name="small")
+    big = load_adapter(lf.write(tmp_path, "big.safetensors", lf.lora_tensors(model, "peft", 2, rank=12)),
+                       name="big")
+    mid = load_adapter(lf.write(tmp_path, "mid.safetensors", lf.lora_tensors(model, "kohya", 3, rank=4)),
+                       name="mid")
+    x = lf.tiny_input(batch=3)
+    cases = [
+        [(big, 0.0), (small, 0.7), (mid, -0.4)],  # big is warm at 0: small and mid are packed
+        [(big, 0.0), (small, [0.5, 0.0, -1.0]), (mid, 1.0)],  # per-item strengths
+        [(big, 0.0), (small, 0.0), (mid, 0.9)],
+    ]
+    refs = [solo([e for e in entries if e[1] != 0.0], x) for entries in cases]
+    bank = SlotBank(model, max_loras=3)
+    for entries, ref in zip(cases, refs):
+        bank.activate(entries)
+        with torch.no_grad():
+            got = model(x)
+        assert torch.allclose(got, ref, atol=TOL)
+        live = sum(r for _, r in bank.layers["proj"].packed.key)
+        assert live == sum({"small": 2, "mid": 4}[e[0].name] for e in entries
+                           if e[0] is not big and (e[1] != 0.0 if not isinstance(e[1], list) else any(e[1])))
+    bank.activate([(big, 1.0), (small, 0.7), (mid, -0.4)])  # 18 of 36 rows: packed too
+    with torch.no_grad():
+        assert torch.allclose(model(x), solo([(big, 1.0), (small, 0.7), (mid, -0.4)], x), atol=TOL)
+    assert bank.layers["proj"].packed is not None and bank.layers["conv_in"].packed is not None
+    from lora_engine import Entry
+    shaped = [Entry(big, 0.0), Entry(small, 0.7, layer_weights={"proj": 0.5, "conv_in": 2.0}), Entry(mid, -0.4)]
+    bank.activate(shaped)  # layer weights take their own column scale
+    assert bank.layers["proj"].factor is not None and bank.layers["proj"].packed is not None
+    with torch.no_grad():
+        assert torch.allclose(model(x), solo(shaped[1:], x), atol=TOL)
+
+
+def test_slots_of_one_rank_are_not_packed(tmp_path):
+    model = lf.tiny()
+    a, b = (load_adapter(lf.write(tmp_path, f"{n}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)), name=n)
+            for i, n in enumerate("ab"))
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, 1.0), (b, 1.0)])  # every row of both slots is live: the slot buffers are used as they are
+    assert all(layer.packed is None for layer in bank.layers.values())
+    bank.activate([(a, 0.0), (b, 1.0)])  # slot 0 at 0 before the live slot 1: only slot 1's rows
+    assert all(layer.packed is not None and layer.packed.key == ((1, 3),) for layer in bank.layers.values())
