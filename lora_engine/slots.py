@@ -15,8 +15,11 @@ at each `set_progress`, and layer weights give a layer its own factor per slot.
 Each layer computes only its live slots: those it holds whose strength (times
 its factor) is not 0 for some batch item. Trailing dead slots are cut from the
 GEMMs, dead dense slots are skipped, and a layer with none live returns at once;
-warm slots at strength 0 cost nothing per step. Under torch.compile every held
-slot is computed instead, so that no strength change recompiles the graph.
+warm slots at strength 0 cost nothing per step. Where dead slots between live
+ones or the padding of lower-rank adapters would leave a quarter or more of the
+rows empty, the layer keeps a packed copy of the live rows (`Packed`). Under
+torch.compile every held slot is computed instead, from the fixed buffers, so
+that no strength change recompiles the graph.
 """
 
 from __future__ import annotations
