@@ -166,8 +166,20 @@ def paired(variants: dict, step, device, rounds: int, before) -> dict:
                 "cpu_ratio": ratio(cpu, n)} for n in names}
 
 
-def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
-    """One line of the table, for the k adapters in `chosen`."""
+def copy_floor(adapters, device, repeat: int = 5) -> float:
+    """Seconds to copy the adapters' stored bytes once (from pinned memory to the device on a GPU, memory to
+    memory on a CPU): what activating them can at best approach."""
+    tensors = [t for a in adapters for lp in a.layers.values() for t in lp.tensors()]
+    n = sum(t.numel() for t in tensors)
+    src = torch.empty(n, dtype=tensors[0].dtype)
+    if device.type == "cuda":
+        src = src.pin_memory()
+    dst = torch.empty(n, dtype=src.dtype, device=device)
+    return timed(lambda: dst.copy_(src, non_blocking=True), device, repeat)
+
+
+def row(model, x, chosen, others, linears, backups, device, dtype, repeat: int) -> str:
+    """One line of the table, for the k adapters in `chosen` (`others`: k more, swapped in and out)."""
     k = len(chosen)
     all_live = [(a, 1.0) for a in chosen]
     one_live = [(a, 1.0 if i == 0 else 0.0) for i, a in enumerate(chosen)]
@@ -185,6 +197,9 @@ def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
         activations.append(time.perf_counter() - t0)
         bank.release()
     bank = activate()
+    sets = iter([[(a, 1.0) for a in others], all_live] * 100)
+    swap = timed(lambda: bank.activate(next(sets)), device, 4)  # k newcomers into warm slots, every time
+    bank.activate(all_live)
     bare = BareGemms(model, bank)
     variants = {"base": bank.deactivate, "ours": lambda: bank.activate(all_live),
                 "bare": lambda: (bank.deactivate(), bare.attach()), "one": lambda: bank.activate(one_live)}
@@ -205,7 +220,8 @@ def row(model, x, chosen, linears, backups, device, dtype, repeat: int) -> str:
 
     return (f"{k:>2} | {steps['base']['ms']:7.1f} | {steps['ours']['ms']:7.1f} | {both('ours', 13)} | "
             f"{both('bare', 13)} | {both('one', 17)} | {change * 1e3:12.3f} ms | "
-            f"{refuse_t:6.2f} s | {even:>10} | {statistics.median(activations) * 1e3:18.1f} ms")
+            f"{refuse_t:6.2f} s | {even:>10} | {statistics.median(activations) * 1e3:9.1f} ms | "
+            f"{swap * 1e3:8.1f} ms | {copy_floor(chosen, device) * 1e3:8.1f} ms")
 
 
 def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat: int) -> str:
@@ -297,22 +313,24 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="lora-bench-")
     paths = []
-    for i in range(max(ks)):
+    for i in range(2 * max(ks)):
         p = os.path.join(tmp, f"adapter{i}.safetensors")
         write_adapter(model, p, args.rank, seed=i)
         paths.append(p)
-    cache = AdapterCache(max_items=max(ks))
+    cache = AdapterCache(max_items=len(paths))
     adapters = [cache.load(p) for p in paths]  # the cache is warm from here on
 
     header = (f"{'k':>2} | {'base ms':>7} | {'ours ms':>7} | {'ours / base':>13} | {'bare / base':>13} | "
               f"{'1 live + k-1 at 0':>17} | {'strength change':>15} | {'re-fuse':>8} | {'break-even':>10} | "
-              f"{'activate (warm cache)':>21}")
-    print("\nstep ratios are wall / CPU time, medians of per-round ratios\n" + header)
+              f"{'activate: fresh bank':>20} | {'swap k':>11} | {'copy floor':>11}")
+    print("\nstep ratios are wall / CPU time, medians of per-round ratios; activation from the warm cache into a "
+          "fresh bank, and k other adapters swapped into warm slots, against one copy of the adapters' stored "
+          "bytes\n" + header)
     print("-" * len(header))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     backups = {n: m.weight.detach().clone() for n, m in linears.items()}  # what a fusing loader keeps
     for k in ks:
-        print(row(model, x, adapters[:k], linears, backups, device, dtype, args.repeat), flush=True)
+        print(row(model, x, adapters[:k], adapters[k:2 * k], linears, backups, device, dtype, args.repeat), flush=True)
     if args.mixed:
         print(mixed_line(model, x, tmp, [int(r) for r in args.mixed.split(",")], device, dtype, args.repeat))
     if args.grid:
