@@ -105,6 +105,11 @@ class ModulePlan:
                 raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
                                      remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
 
+    def fills(self, rank: int) -> bool:
+        """Whether `write_factors` writes every row of a slot of `rank` rows: one piece over the whole layer."""
+        parts = [p for p in self.pieces if p.patch.weight is not None]
+        return len(parts) == 1 and parts[0].out_slice is None and parts[0].patch.weight.rank == rank
+
     def write_factors(self, a: torch.Tensor, b: torch.Tensor) -> int:
         """A into `a` [R, in, *k] and s·B into `b` [out, R] (one slot's rows and columns, zero where no piece
         writes), copied from the adapter's tensors without staging; returns the bytes written."""

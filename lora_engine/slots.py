@@ -82,6 +82,7 @@ class LayerSlots:
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
         self.lr_used: set[int] = set()
+        self.dirty: set[int] = set()  # slots no adapter holds whose rows may not be zero yet (see `scrub`)
         self.dense: dict[int, torch.Tensor] = {}
         self.bias: dict[int, torch.Tensor] = {}
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
@@ -131,24 +132,46 @@ class LayerSlots:
         self.packed = Packed.of(self, lr)
 
     def ensure_rank(self, rank: int) -> None:
+        """Slot buffers of at least `rank` rows per slot. The first ones are left unfilled, every slot dirty:
+        the activation writes or scrubs each of them before the next forward."""
         if rank <= self.rank:
             return
         g, dev = self.geometry, self.bank.device
-        a = torch.zeros((self.n * rank, g.in_features, *g.kernel), dtype=self.dtype, device=dev)
-        b = torch.zeros((g.out_features, self.n * rank), dtype=self.dtype, device=dev)
-        if self.a is not None:
+        first = self.a is None
+        new = _unfilled if first else torch.zeros
+        a = new((self.n * rank, g.in_features, *g.kernel), dtype=self.dtype, device=dev)
+        b = new((g.out_features, self.n * rank), dtype=self.dtype, device=dev)
+        if not first:
             for i in self.lr_used:
                 a[i * rank:i * rank + self.rank] = self.a[i * self.rank:(i + 1) * self.rank]
                 b[:, i * rank:i * rank + self.rank] = self.b[:, i * self.rank:(i + 1) * self.rank]
+        self.dirty = set(range(self.n)) - self.lr_used if first else set()
         self.a, self.b, self.rank = a, b, rank
         self.bank.reallocations += 1
 
+    def prepare(self, slot: int, fills: bool) -> None:
+        """Before a slot is written: zero it unless it is clean already or the write `fills` every row."""
+        if slot in self.dirty:
+            if not fills:
+                self._zero(slot)
+            self.dirty.discard(slot)
+
+    def scrub(self) -> None:
+        """Zero the dirty slots: a slot no adapter holds is zero whenever the layer runs."""
+        for slot in self.dirty:
+            self._zero(slot)
+        self.dirty.clear()
+
+    def _zero(self, slot: int) -> None:
+        self.a[slot * self.rank:(slot + 1) * self.rank].zero_()
+        self.b[:, slot * self.rank:(slot + 1) * self.rank].zero_()
+
     def clear(self, slot: int) -> None:
+        """Free the slot; its rows are zeroed by `scrub`, unless a newcomer overwrites them first."""
         self.ranks.pop(slot, None)
         if slot in self.lr_used:
-            self.a[slot * self.rank:(slot + 1) * self.rank].zero_()
-            self.b[:, slot * self.rank:(slot + 1) * self.rank].zero_()
             self.lr_used.discard(slot)
+            self.dirty.add(slot)
         self.dense.pop(slot, None)
         self.bias.pop(slot, None)
 
@@ -315,6 +338,7 @@ class SlotBank:
                     nbytes += self._write(slot, b, staged[id(b.adapter)])
                 except BaseException:
                     self._clear_slot(slot)  # a free slot is zero: the next write adds only its own pieces
+                    self._scrub()
                     raise
                 self.slots[slot] = b.adapter
                 copied.append(b.adapter.name)
@@ -328,6 +352,7 @@ class SlotBank:
                 self._set_layer_weights(weights, batch)
                 self._weights_key = weights_key
             if copied or released:
+                self._scrub()
                 self._live_key = None  # slots and layers changed: find the live slots again
             self._set_strengths({slot_of[j]: strengths[:, j] if batch is not None else strengths[j]
                                  for j in range(len(wanted))}, batch=batch)
@@ -453,7 +478,8 @@ class SlotBank:
                 r = payload.rank
                 layer.ensure_rank(max(r, self.slot_rank))
                 lo = slot * layer.rank
-                layer.lr_used.add(slot)  # first: a failed write is zeroed by clear()
+                layer.prepare(slot, payload.fills(layer.rank))
+                layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
                 layer.ranks[slot] = r
                 nbytes += payload.write_factors(layer.a[lo:lo + r], layer.b[:, lo:lo + r])
             elif kind == "dense" and payload is not None:
@@ -463,6 +489,11 @@ class SlotBank:
                 layer.bias[slot] = bias.to(device=self.device, dtype=self.dtype, non_blocking=True)
                 nbytes += bias.numel() * layer.bias[slot].element_size()
         return nbytes
+
+    def _scrub(self) -> None:
+        for layer in self.layers.values():
+            if layer.dirty:
+                layer.scrub()
 
     def _clear_slot(self, slot: int) -> None:
         for layer in self.layers.values():
@@ -551,6 +582,9 @@ class SlotBank:
             layer.factor_host = factor
             layer.factor = None if factor is None else factor.to(device=self.device, dtype=self.dtype)
         self._live_key = None
+
+
+_unfilled = torch.empty  # first slot buffers: every row is written or scrubbed before a forward reads it
 
 
 _BANKS: weakref.WeakSet[SlotBank] = weakref.WeakSet()

@@ -322,3 +322,38 @@ def test_slots_of_one_rank_are_not_packed(tmp_path):
     assert all(layer.packed is None for layer in bank.layers.values())
     bank.activate([(a, 0.0), (b, 1.0)])  # slot 0 at 0 before the live slot 1: only slot 1's rows
     assert all(layer.packed is not None and layer.packed.key == ((1, 3),) for layer in bank.layers.values())
+
+
+def test_unfilled_and_released_rows_never_reach_a_forward(tmp_path, monkeypatch):
+    """Fresh slot buffers are not zero-filled and a released slot is not zeroed at once: a newcomer that fills
+    every row of a slot overwrites it, and whatever is left is zeroed before the next forward. Fresh buffers are
+    filled with NaN here, so that any row read before it is written or zeroed shows in the output."""
+    import lora_engine.slots as slots
+
+    def nan_filled(*shape, **kw):
+        return torch.full(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape, float("nan"), **kw)
+
+    monkeypatch.setattr(slots, "_unfilled", nan_filled)
+    model = lf.tiny()
+    full = load_adapter(lf.write(tmp_path, "full.safetensors", lf.lora_tensors(model, "kohya", 1, rank=4)),
+                        name="full")
+    part_tensors = {k: v for k, v in lf.lora_tensors(model, "kohya", 2, rank=4).items() if "ff" not in k}
+    part = load_adapter(lf.write(tmp_path, "part.safetensors", part_tensors), name="part")
+    small = load_adapter(lf.write(tmp_path, "small.safetensors", lf.lora_tensors(model, "kohya", 3, rank=2)),
+                         name="small")
+    x = lf.tiny_input()
+    steps = [
+        [(full, 0.6), (small, 0.3)],  # small's padding rows in a fresh slot: zeroed; 2 slots never written
+        [(part, -0.5), (small, 0.8)],  # full released; part (fewer layers) and small (padding) take slots
+        [(full, 1.0), (small, 0.8)],
+    ]
+    refs = [solo(entries, x) for entries in steps]
+    bank = SlotBank(model, max_loras=4)
+    compiled_view = torch.compile(model, backend="eager")  # every held slot computed, zero slots included
+    for entries, ref in zip(steps, refs):
+        bank.activate(entries)
+        with torch.no_grad():
+            got, every = model(x), compiled_view(x)
+        assert torch.isfinite(got).all() and torch.allclose(got, ref, atol=TOL)
+        assert torch.allclose(every, ref, atol=TOL)
+        assert all(not layer.dirty for layer in bank.layers.values())
