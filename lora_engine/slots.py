@@ -87,6 +87,7 @@ class LayerSlots:
         self.bias: dict[int, torch.Tensor] = {}
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
+        self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, its packed columns)
         self.hi = 0  # the low-rank slots 0..hi-1 are computed: hi - 1 is the last live one
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
         self.packed: Packed | None = None  # the live slots' rows alone, when that saves enough of the GEMMs
@@ -117,10 +118,20 @@ class LayerSlots:
         if self.factor is None:
             scale = bank.scale
             columns = None if packed is None else bank.column_scale(packed)
+        elif compiling:  # no cache: its generation check would be guarded, and every strength change recompile
+            scale, columns = bank.scale * self.factor, None
         else:
-            scale = bank.scale * self.factor
-            columns = None if packed is None else scale.index_select(-1, packed.columns)
+            scale, columns = self.weighted_scale(packed)
         return runtime.apply(self, module, x, out, scale, every_slot=compiling, packed=packed, columns=columns)
+
+    def weighted_scale(self, packed: Packed | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The strengths times this layer's weights, and those expanded to its packed columns: computed at the
+        first step after a strength change, not at every step."""
+        gen = self.bank.generation
+        if self.cached_scale is None or self.cached_scale[0] != gen:
+            scale = self.bank.scale * self.factor
+            self.cached_scale = (gen, scale, None if packed is None else scale.index_select(-1, packed.columns))
+        return self.cached_scale[1], self.cached_scale[2]
 
     def set_live(self, live: list[bool]) -> None:
         """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
@@ -182,6 +193,7 @@ class LayerSlots:
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
         if self.factor is not None:
             self.factor = self.factor.to(device)
+        self.cached_scale = None
         self.packed = None if self.packed is None else self.packed.to(device)
 
 
@@ -245,6 +257,7 @@ class SlotBank:
         self.progress = 0.0
         self._live_key: bytes | None = None  # the zero pattern the layers' live slots were found for
         self._columns: dict[tuple, torch.Tensor] = {}  # Packed.key -> the scale expanded to its columns
+        self.generation = 0  # counts changes of the scale and the live slots; layers' cached scales follow it
         self._weights_key: tuple | None = None  # the layer weights (and batch) the layers' factors were set for
         self.all_zero = True
         self.active = False
@@ -421,6 +434,7 @@ class SlotBank:
                 self._item_strengths = self._item_strengths.to(device)
             self.scale = self.scale.to(device)
             self._columns = {}
+            self.generation += 1
             self.device = torch.device(device)
 
     # -- state for status routes -----------------------------------------------------------------------
@@ -539,6 +553,7 @@ class SlotBank:
             self.scale = self._item_strengths
         self.all_zero = not bool(values.any())
         self._columns = {}
+        self.generation += 1
         self._refresh_live(values)
 
     def column_scale(self, packed: Packed) -> torch.Tensor:
@@ -581,6 +596,7 @@ class SlotBank:
                 factor[..., slot] = torch.tensor(values) if per_item else values[0]
             layer.factor_host = factor
             layer.factor = None if factor is None else factor.to(device=self.device, dtype=self.dtype)
+            layer.cached_scale = None
         self._live_key = None
 
 

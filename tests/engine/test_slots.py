@@ -313,6 +313,33 @@ def test_packed_slots_compute_only_live_rows(tmp_path):
         assert torch.allclose(model(x), solo(shaped[1:], x), atol=TOL)
 
 
+def test_layer_weighted_scales_follow_every_strength_change(tmp_path):
+    """A layer with block weights keeps its weighted strengths (and their packed columns) from one step to the
+    next: a slider move, a schedule's progress and per-item strengths must each reach it at the next step."""
+    from lora_engine import Entry, Schedule
+    model = lf.tiny()
+    small = load_adapter(lf.write(tmp_path, "small.safetensors", lf.lora_tensors(model, "kohya", 1, rank=2)),
+                         name="small")
+    big = load_adapter(lf.write(tmp_path, "big.safetensors", lf.lora_tensors(model, "peft", 2, rank=12)),
+                       name="big")
+    weights = {"proj": 0.5, "conv_in": 2.0}
+    x = lf.tiny_input(batch=2)
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([Entry(big, 0.0), Entry(small, 0.7, layer_weights=weights)])
+    assert bank.layers["proj"].packed is not None and bank.layers["proj"].factor is not None
+    steps = [("set_strength", 0.7), ("set_strength", -1.3), ("set_strength", [0.4, -0.2]), ("set_strength", 0.9)]
+    for _, value in steps:
+        run(model, x)  # the previous strengths are cached in the weighted layers
+        bank.set_strength(small, value)
+        assert torch.allclose(run(model, x), solo([Entry(small, value, layer_weights=weights)], x), atol=TOL)
+    bank.activate([Entry(big, 0.0), Entry(small, 0.8, Schedule.parse("0:1, 1:0.25"), layer_weights=weights)])
+    for p in (0.0, 0.5, 1.0):
+        run(model, x)
+        bank.set_progress(p)
+        want = solo([Entry(small, 0.8 * (1 - 0.75 * p), layer_weights=weights)], x)
+        assert torch.allclose(run(model, x), want, atol=TOL), p
+
+
 def test_slots_of_one_rank_are_not_packed(tmp_path):
     model = lf.tiny()
     a, b = (load_adapter(lf.write(tmp_path, f"{n}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)), name=n)
