@@ -7,8 +7,10 @@ Run it with the ComfyUI python (it imports ComfyUI's own classes in-process; not
 
 The model is ComfyUI's Flux (comfy.model_base.Flux around comfy.ldm.flux.model.Flux, built from a
 supported_models.Flux config) with random weights, wrapped in a ModelPatcher. On the CPU it is
-scaled down (hidden 3072 / 24 heads as Flux-dev, 1 double + 1 single block by default); --full
-builds Flux-dev's 19 double + 38 single blocks (11.9 B parameters). For k = 1, 2, 4, 8 synthetic
+scaled down (hidden 3072 / 24 heads as Flux-dev, 1 double + 1 single block, 256 image + 32 text
+tokens by default: enough tokens that a step is bound by its arithmetic, as Flux-dev's 4608 tokens
+are on a GPU, not by streaming the weights); --full builds Flux-dev's 19 double + 38 single blocks
+(11.9 B parameters). For k = 1, 2, 4, 8 synthetic
 rank-32 LoRAs with kohya keys from comfy.lora.model_lora_keys_unet on that model (every Linear of
 every block), it measures:
 
@@ -37,8 +39,9 @@ every block), it measures:
 
 Steps: ours and bypass alternate forwards without and with the adapters (bank.deactivate/activate,
 ModelPatcher.eject_model/inject_model), --repeat pairs, and "step vs base" is the median of the
-per-pair ratios, so load from other jobs moves both sides of each ratio; fused weights cannot be
-toggled, so its base is measured just before patching. Strength changes: median of --repeat
+per-pair ratios, so load from other jobs moves both sides of each ratio; the fused path's steps
+alternate the same way, its patched weights and ComfyUI's backups of the originals swapped by
+reference (no copy). Strength changes: median of --repeat
 (set_strength: of 50). First application: median of --repeat-apply.
 """
 
@@ -126,6 +129,29 @@ class Timer:
         return statistics.median(self.once(fn) for _ in range(repeat))
 
 
+class WeightSwap:
+    """Toggles a fused model between its patched weights and ComfyUI's backups of the originals by swapping
+    each parameter's storage (no copy), so that fused steps pair with base steps like the other paths'."""
+
+    def __init__(self, comfy, root, backup):
+        self.params = [comfy.utils.get_attr(root, key) for key in backup]
+        self.other = [b.weight for b in backup.values()]
+        self.on_base = False
+
+    def _flip(self) -> None:
+        for i, p in enumerate(self.params):
+            p.data, self.other[i] = self.other[i], p.data
+        self.on_base = not self.on_base
+
+    def base(self) -> None:
+        if not self.on_base:
+            self._flip()
+
+    def patched(self) -> None:
+        if self.on_base:
+            self._flip()
+
+
 def tensor_bytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -143,20 +169,20 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=3072, help="hidden size (heads = hidden / 128); default 3072")
     ap.add_argument("--depth", type=int, default=None, help="double blocks (default 1; 19 with --full)")
     ap.add_argument("--single-depth", type=int, default=None, help="single blocks (default 1; 38 with --full)")
-    ap.add_argument("--tokens", type=int, default=None, help="image tokens, a square number (default 16; "
+    ap.add_argument("--tokens", type=int, default=None, help="image tokens, a square number (default 256; "
                     "4096 with --full)")
-    ap.add_argument("--txt-tokens", type=int, default=None, help="text tokens (default 8; 512 with --full)")
+    ap.add_argument("--txt-tokens", type=int, default=None, help="text tokens (default 32; 512 with --full)")
     ap.add_argument("--rank", type=int, default=RANK)
     ap.add_argument("--ks", default="1,2,4,8")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="timed step pairs (base, with adapters) and strength changes per cell; medians (default 3)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="timed step pairs (base, with adapters) and strength changes per cell; medians (default 5)")
     ap.add_argument("--repeat-apply", type=int, default=2, help="timed first applications per cell (median; default 2)")
     ap.add_argument("--paths", default="ours,fused,bypass")
     args = ap.parse_args()
     depth = args.depth if args.depth is not None else (19 if args.full else 1)
     single = args.single_depth if args.single_depth is not None else (38 if args.full else 1)
-    tokens = args.tokens if args.tokens is not None else (4096 if args.full else 16)
-    txt_tokens = args.txt_tokens if args.txt_tokens is not None else (512 if args.full else 8)
+    tokens = args.tokens if args.tokens is not None else (4096 if args.full else 256)
+    txt_tokens = args.txt_tokens if args.txt_tokens is not None else (512 if args.full else 32)
     side = math.isqrt(tokens)
     if side * side != tokens:
         ap.error("--tokens must be a square number")
@@ -223,9 +249,6 @@ def main() -> int:
         on()
         return (statistics.median(bases), statistics.median(steps), statistics.median(ratios),
                 statistics.median(cpu_ratios))
-
-    def cpu_median(repeat):
-        return statistics.median(timer.both(step)[1] for _ in range(repeat))
 
     # What LoraLoader / LoraLoaderBypass hold after their first run: the state dicts, read once.
     lora_sds = [comfy.utils.load_torch_file(p, safe_load=True) for p in lora_paths]
@@ -298,9 +321,6 @@ def main() -> int:
             firsts = []
             for i in range(args.repeat_apply):
                 reset()
-                if i == 0:
-                    r["base_fused"] = timer.median(step, args.repeat)
-                    base_cpu = cpu_median(args.repeat)
                 held = []
 
                 def fused_first():
@@ -310,9 +330,10 @@ def main() -> int:
                 firsts.append(timer.once(fused_first))
             patched = held[0]
             r["first_fused"] = statistics.median(firsts)
-            r["step_fused"] = timer.median(step, args.repeat)
-            r["ratio_fused"] = r["step_fused"] / r["base_fused"]  # weights cannot be toggled: base measured before
-            r["cpuratio_fused"] = cpu_median(args.repeat) / base_cpu
+            swap = WeightSwap(comfy, root, patched.backup)
+            r["base_fused"], r["step_fused"], r["ratio_fused"], r["cpuratio_fused"] = paired(
+                swap.base, swap.patched, args.repeat)
+            swap.patched()  # ComfyUI unpatches from here
             r["mem_fused"] = tensor_bytes(b.weight for b in patched.backup.values())
             prefix = fused_chain(ones[:-1])  # the upstream LoraLoader nodes' cached outputs
             keep = [patched]
@@ -457,7 +478,7 @@ def print_tables(rows, ks, paths) -> None:
         print(f"{k:>2} | {vs_base('ours'):>6} {vs_base('fused'):>7} {vs_base('bypass'):>7} | "
               f"{vs_base('ours', 'cpuratio'):>6} {vs_base('fused', 'cpuratio'):>7} "
               f"{vs_base('bypass', 'cpuratio'):>7} | "
-              f"{ratio(g('step_ours'), g('step_fused')):>7} {ratio(g('step_ours'), g('step_bypass')):>7} | "
+              f"{ratio(g('ratio_ours'), g('ratio_fused')):>7} {ratio(g('ratio_ours'), g('ratio_bypass')):>7} | "
               f"{ratio(g('strength_ours'), g('strength_fused')):>11} "
               f"{ratio(g('strength_ours'), g('strength_bypass')):>11} | "
               f"{ratio(g('strength_ours_comfy'), g('strength_fused')):>11} "
@@ -465,13 +486,14 @@ def print_tables(rows, ks, paths) -> None:
               f"{ratio(g('first_ours'), g('first_fused')):>8} {ratio(g('first_ours'), g('first_bypass')):>8} | "
               f"{ratio(g('mem_ours'), g('mem_fused')):>7} {ratio(g('mem_ours'), g('mem_bypass')):>7}")
 
+    print("step: each path's step / base ratio over ours (each paired with its own base steps)")
     print("\nafter a slider move: steps until the fused path's re-patch is paid back by its cheaper steps, "
-          "(fused re-patch - ours†) / (our step - fused step)")
+          "(fused re-patch - ours†) / ((our step / base - fused step / base) x our base step)")
     for k in ks:
         r = rows[k]
-        if not all(n in r for n in ("step_ours", "step_fused", "strength_fused", "strength_ours_comfy")):
+        if not all(n in r for n in ("ratio_ours", "ratio_fused", "strength_fused", "strength_ours_comfy")):
             continue
-        extra = r["step_ours"] - r["step_fused"]
+        extra = (r["ratio_ours"] - r["ratio_fused"]) * r["base_ours"]
         saved = r["strength_fused"] - r["strength_ours_comfy"]
         print(f"{k:>2} | " + (f"{saved / extra:.0f} steps" if extra > 0 else "never: our step was not slower"))
 
