@@ -135,7 +135,8 @@ class WeightSwap:
 
     def __init__(self, comfy, root, backup):
         self.params = [comfy.utils.get_attr(root, key) for key in backup]
-        self.other = [b.weight for b in backup.values()]
+        # On a GPU the backups sit on the offload device: the base steps need them where the model computes.
+        self.other = [b.weight.to(p.device) for p, b in zip(self.params, backup.values())]
         self.on_base = False
 
     def _flip(self) -> None:
@@ -344,7 +345,7 @@ def main() -> int:
                 keep[0] = m  # ComfyUI's cache holds the node's output until the next run replaces it
 
             r["strength_fused"] = timer.median(fused_change, args.repeat, warmup=0)
-            del keep, patched, prefix
+            del keep, patched, prefix, swap
             reset()
 
         if "bypass" in paths:
