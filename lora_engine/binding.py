@@ -6,6 +6,7 @@ shapes, and arrive before any slot or weight is written.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -75,18 +76,21 @@ class Piece:
 
 @dataclass
 class ModulePlan:
+    """One layer's pieces from one adapter. `bind` adds every piece before anything reads `low_rank` or `rank`,
+    which are computed once: activation reads them for every layer."""
+
     name: str
     module: nn.Module
     geometry: Geometry
     pieces: list[Piece] = field(default_factory=list)
     path: str | None = None  # the adapter's file, for errors
 
-    @property
+    @functools.cached_property
     def low_rank(self) -> bool:
         return self.geometry.low_rank_ok and all(p.patch.runtime_low_rank or p.patch.weight is None
                                                  for p in self.pieces)
 
-    @property
+    @functools.cached_property
     def rank(self) -> int:
         return sum(p.patch.weight.rank for p in self.pieces if p.patch.weight is not None) if self.low_rank else 0
 
@@ -110,17 +114,20 @@ class ModulePlan:
         parts = [p for p in self.pieces if p.patch.weight is not None]
         return len(parts) == 1 and parts[0].out_slice is None and parts[0].patch.weight.rank == rank
 
-    def write_factors(self, a: torch.Tensor, b: torch.Tensor) -> int:
-        """A into `a` [R, in, *k] and s·B into `b` [out, R] (one slot's rows and columns, zero where no piece
-        writes), copied from the adapter's tensors without staging; returns the bytes written."""
-        g, at, nbytes = self.geometry, 0, 0
+    def write_factors(self, a: torch.Tensor, b: torch.Tensor, lo: int) -> int:
+        """A into rows lo… of `a` [N·R, in, *k] and s·B into columns lo… of `b` [out, N·R] (one slot; the rows
+        no piece writes stay as they are), copied from the adapter's tensors without staging; returns the bytes
+        written. Called for every layer of every newcomer: it slices each buffer once."""
+        at, nbytes = lo, 0
         for p in self.pieces:
             w = p.patch.weight
             if w is None:
                 continue
-            start, size = p.out_slice or (0, g.out_features)
-            dst_a, dst_b = a[at:at + w.rank], b[start:start + size, at:at + w.rank]
-            dst_a.copy_(w.down.reshape(dst_a.shape), non_blocking=True)
+            r, down = w.rank, w.down
+            if down.shape[1:] != a.shape[1:]:
+                down = down.reshape(r, *a.shape[1:])
+            a.narrow(0, at, r).copy_(down, non_blocking=True)
+            dst_b = b.narrow(1, at, r) if p.out_slice is None else b[p.out_slice[0]:sum(p.out_slice), at:at + r]
             up = p.order(w.up)
             if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
                 # an exact copy, then one rounding of s·B
@@ -129,8 +136,8 @@ class ModulePlan:
                     dst_b.mul_(w.scale)
             else:  # s·B in fp32, rounded once into the narrower dtype
                 dst_b.copy_(up.float() * w.scale)
-            at += w.rank
-            nbytes += (dst_a.numel() + dst_b.numel()) * a.element_size()
+            at += r
+            nbytes += (down.numel() + up.numel()) * a.element_size()
         return nbytes
 
     def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -303,6 +310,7 @@ def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tens
     return (a.shape[1], b.shape[1], *t.shape[2:])
 
 
+@functools.cache
 def _max(dtype: torch.dtype) -> float:
     """The largest magnitude a tensor of `dtype` can hold (a file may store factors as integers or bools)."""
     if dtype.is_floating_point:

@@ -36,7 +36,7 @@ from torch import nn
 
 from . import runtime
 from .adapter import Adapter
-from .binding import Binding, Geometry, MatchReport, bind
+from .binding import Binding, Geometry, MatchReport, ModulePlan, bind
 from .errors import LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError
 from .keymap import KeyMap
 from .schedule import Schedule
@@ -160,10 +160,11 @@ class LayerSlots:
         self.a, self.b, self.rank = a, b, rank
         self.bank.reallocations += 1
 
-    def prepare(self, slot: int, fills: bool) -> None:
-        """Before a slot is written: zero it unless it is clean already or the write `fills` every row."""
+    def prepare(self, slot: int, plan: ModulePlan) -> None:
+        """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills
+        every row."""
         if slot in self.dirty:
-            if not fills:
+            if not plan.fills(self.rank):
                 self._zero(slot)
             self.dirty.discard(slot)
 
@@ -491,11 +492,10 @@ class SlotBank:
             if kind == "low-rank" and payload is not None:
                 r = payload.rank
                 layer.ensure_rank(max(r, self.slot_rank))
-                lo = slot * layer.rank
-                layer.prepare(slot, payload.fills(layer.rank))
+                layer.prepare(slot, payload)
                 layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
                 layer.ranks[slot] = r
-                nbytes += payload.write_factors(layer.a[lo:lo + r], layer.b[:, lo:lo + r])
+                nbytes += payload.write_factors(layer.a, layer.b, slot * layer.rank)
             elif kind == "dense" and payload is not None:
                 layer.dense[slot] = payload.to(device=self.device, dtype=self.dtype, non_blocking=True)
                 nbytes += payload.numel() * layer.dense[slot].element_size()
