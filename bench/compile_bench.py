@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.engine_bench import DTYPES, HIDDEN, MLP, Model, model_args, paired, sync, write_adapter  # noqa: E402
+from bench.engine_bench import DTYPES, Model, model_args, paired, sync, write_adapter  # noqa: E402
 from bench.machine import machine_line  # noqa: E402
 from lora_engine import AdapterCache, Entry, Schedule, SlotBank  # noqa: E402
 
@@ -39,8 +39,8 @@ def main() -> int:
     dtype = DTYPES[args.dtype]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.manual_seed(0)
-    model = Model(args.blocks, HIDDEN, MLP).to(device, dtype).eval()
-    x = torch.randn(2, args.tokens, HIDDEN, device=device, dtype=dtype)  # 2 items, for per-item strengths
+    model = Model(args.blocks, args.hidden, 4 * args.hidden).to(device, dtype).eval()
+    x = torch.randn(2, args.tokens, args.hidden, device=device, dtype=dtype)  # 2 items, for per-item strengths
     print(f"model: {args.blocks} Flux-shaped blocks, batch 2 x {args.tokens} tokens, {args.dtype} on {device}; k = {args.k} "
           f"adapters at rank {args.rank}; torch {torch.__version__}")
     print(f"machine before: {machine_line()}")

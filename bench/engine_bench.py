@@ -1,6 +1,6 @@
 """Engine benchmark on blocks shaped like a Flux-sized DiT, measured side by side in one run.
 
-Each block has Flux-dev's Linear shapes (hidden 3072, fused qkv 9216, MLP 12288).
+Each block has Flux-dev's Linear shapes (hidden 3072, fused qkv 9216, MLP 12288; --hidden scales them).
 The token count is short so that it runs on a CPU. It prints, for k = 1, 2, 4, 8
 adapters at rank 32:
 
@@ -47,7 +47,7 @@ from lora_engine.slots import Packed  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_line  # noqa: E402
 
-HIDDEN, MLP = 3072, 12288
+HIDDEN = 3072  # Flux-dev; the MLP is 4 × hidden
 
 
 class Block(nn.Module):
@@ -227,7 +227,7 @@ def row(model, x, chosen, others, linears, backups, device, dtype, repeat: int) 
 def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat: int) -> str:
     """A strength grid as one batch: every item with its own strengths, against the same batch with one
     shared strength per adapter (the same adapters, the same GEMMs)."""
-    x = torch.randn(items, tokens, HIDDEN, device=device, dtype=dtype)
+    x = torch.randn(items, tokens, model.blocks[0].proj.in_features, device=device, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     per_item = [(a, torch.rand(items, generator=g).tolist()) for a in chosen]
     shared = [(a, 0.5) for a in chosen]
@@ -285,6 +285,8 @@ def model_args(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size (default 3072, Flux-dev's); a small one "
+                    "with many --blocks shows the per-layer costs")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=32)
     return ap
@@ -303,10 +305,10 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     torch.manual_seed(0)
 
-    model = Model(args.blocks, HIDDEN, MLP).to(device, dtype).eval()
-    x = torch.randn(1, args.tokens, HIDDEN, device=device, dtype=dtype)
+    model = Model(args.blocks, args.hidden, 4 * args.hidden).to(device, dtype).eval()
+    x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=dtype)
     n_layers = sum(isinstance(m, nn.Linear) for m in model.modules())
-    print(f"model: {args.blocks} Flux-shaped blocks ({n_layers} Linear layers, "
+    print(f"model: {args.blocks} Flux-shaped blocks at hidden {args.hidden} ({n_layers} Linear layers, "
           f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params), {args.tokens} tokens, "
           f"{args.dtype} on {device}; adapters at rank {args.rank}; torch {torch.__version__}")
     print(f"machine before: {machine_line()}")
