@@ -42,7 +42,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lora_engine import AdapterCache, SlotBank  # noqa: E402  (after the sys.path line)
-from lora_engine.slots import Packed  # noqa: E402
+from lora_engine.slots import Rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_line  # noqa: E402
@@ -257,19 +257,19 @@ def mixed_line(model, x, tmp: str, ranks: list[int], device, dtype, repeat: int)
 
     def with_saving(saving: float):
         def activate():
-            Packed.SAVING = saving
+            Rows.SAVING = saving
             bank.deactivate()
             bank.release()
             bank.activate(entries)
         return activate
 
-    default = Packed.SAVING
+    default = Rows.SAVING
     try:
         with torch.inference_mode():
             steps = paired({"base": bank.deactivate, "packed": with_saving(default), "padded": with_saving(0.0)},
                            lambda: model(x), device, repeat, before=lambda: None)
     finally:
-        Packed.SAVING = default
+        Rows.SAVING = default
         bank.release()
     return (f"\nranks {','.join(map(str, ranks))}: packed {steps['packed']['ratio']:.3f} / "
             f"{steps['packed']['cpu_ratio']:.3f} x base, padded {steps['padded']['ratio']:.3f} / "

@@ -3,7 +3,7 @@
 For a Linear layer f with input x:
 
     h = x · A_catᵀ                    A_cat: [N·R, in]     (one GEMM)
-    h = h ⊙ s                         s: [N] or [batch, N], broadcast over each slot's R columns
+    h = h ⊙ c                         c: the strengths expanded to the N·R columns, [N·R] or [batch, N·R]
     y = f(x) + h · B_catᵀ             B_cat: [out, N·R]    (one GEMM, in place when allowed)
 
 A Conv layer uses A as a kernel-shaped conv with the layer's stride, padding
@@ -34,38 +34,12 @@ def item_scale(scale: torch.Tensor, batch: int) -> torch.Tensor:
     return scale.repeat(batch // items, 1)
 
 
-def _lr_linear(x, a, b, n, scale, out):
-    h = F.linear(x, a)
-    if scale.dim() == 1:
-        h = (h.unflatten(-1, (n, -1)) * scale.unsqueeze(-1)).flatten(-2)
-    else:
-        s = item_scale(scale, x.shape[0])
-        shape = (s.shape[0],) + (1,) * (h.dim() - 2) + (n, 1)
-        h = (h.unflatten(-1, (n, -1)) * s.reshape(shape)).flatten(-2)
-    return _add(out, h, b)
-
-
 def _add(out, h, b):
     if (not torch.is_grad_enabled() and out.dtype == h.dtype and out.is_contiguous()
             and h.dim() >= 1 and out.shape[:-1] == h.shape[:-1]):
         out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), b.t())
         return out
     return out + F.linear(h, b).to(out.dtype)
-
-
-def _lr_conv(x, geom, a, b, n, scale, out):
-    conv = _CONV[geom.conv_dims]
-    h = conv(x, a, None, geom.stride, geom.padding, geom.dilation)
-    spatial = h.shape[2:]
-    h = h.unflatten(1, (n, -1))
-    if scale.dim() == 1:
-        s = scale.reshape(1, n, 1, *[1] * len(spatial))
-    else:
-        s = item_scale(scale, x.shape[0])
-        s = s.reshape(s.shape[0], n, 1, *[1] * len(spatial))
-    h = (h * s).flatten(1, 2)
-    y = conv(h, b.reshape(*b.shape, *[1] * len(spatial)))
-    return _inplace_add(out, y)
 
 
 def _inplace_add(out, y):
@@ -108,48 +82,38 @@ def _dense(module_op, x, geom, delta, s):
     return _CONV[geom.conv_dims](x, delta, None, geom.stride, padding, geom.dilation, geom.groups) * s
 
 
-def _packed_linear(x, packed, columns, out):
-    h = F.linear(x, packed.a)
+def _low_rank_linear(x, a, b, columns, out):
+    h = F.linear(x, a)
     if columns.dim() == 1:
         h = h * columns
     else:
         s = item_scale(columns, x.shape[0])
         h = h * s.reshape(s.shape[0], *(1,) * (h.dim() - 2), -1)
-    return _add(out, h, packed.b)
+    return _add(out, h, b)
 
 
-def _packed_conv(x, geom, packed, columns, out):
+def _low_rank_conv(x, geom, a, b, columns, out):
     conv = _CONV[geom.conv_dims]
-    h = conv(x, packed.a, None, geom.stride, geom.padding, geom.dilation)
+    h = conv(x, a, None, geom.stride, geom.padding, geom.dilation)
     spatial = (1,) * (h.dim() - 2)
     s = columns.reshape(1, -1, *spatial) if columns.dim() == 1 else \
         item_scale(columns, x.shape[0]).reshape(x.shape[0], -1, *spatial)
-    y = conv(h * s, packed.b.reshape(*packed.b.shape, *spatial))
+    y = conv(h * s, b.reshape(*b.shape, *spatial))
     return _inplace_add(out, y)
 
 
-def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor,
-          every_slot: bool = False, packed=None, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """`out` plus every live slot's contribution; `layer` is the module's `LayerSlots`. Only the low-rank
-    slots 0..hi-1 enter the GEMMs (a slot below hi with strength 0 adds exact zeros), or, with `packed`,
-    only the live slots' filled rows, scaled by `columns` (the strengths expanded to those rows).
-    `every_slot` computes every held slot, whatever its strength: a graph that does not depend on them."""
+def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, a: torch.Tensor | None = None,
+          b: torch.Tensor | None = None, columns: torch.Tensor | None = None, dead=()) -> torch.Tensor:
+    """`out` plus the low-rank rows `a` [Σr, in, *k] and `b` [out, Σr] scaled by `columns` (the strengths, [N] or
+    [batch, N], expanded to those rows; a row of a slot at strength 0 adds exact zeros), plus every dense and bias
+    slot of `layer` (its `LayerSlots`) that is not in `dead`."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
-    hi = layer.n if every_slot and layer.lr_used else layer.hi
-    dead = set() if every_slot else layer.dead
-    if packed is not None:
+    if a is not None:
         if geom.conv_dims == 0:
-            out = _packed_linear(xd, packed, columns, out)
+            out = _low_rank_linear(xd, a, b, columns, out)
         else:
-            out = _packed_conv(xd, geom, packed, columns, out)
-    elif hi:
-        rows = hi * layer.rank
-        a, b, s = layer.a[:rows], layer.b[:, :rows], scale[..., :hi]
-        if geom.conv_dims == 0:
-            out = _lr_linear(xd, a, b, hi, s, out)
-        else:
-            out = _lr_conv(xd, geom, a, b, hi, s, out)
+            out = _low_rank_conv(xd, geom, a, b, columns, out)
     for slot, delta in layer.dense.items():
         if slot in dead:
             continue

@@ -17,7 +17,7 @@ its factor) is not 0 for some batch item. Trailing dead slots are cut from the
 GEMMs, dead dense slots are skipped, and a layer with none live returns at once;
 warm slots at strength 0 cost nothing per step. Where dead slots between live
 ones or the padding of lower-rank adapters would leave a quarter or more of the
-rows empty, the layer keeps a packed copy of the live rows (`Packed`). Under
+rows empty, the layer keeps a packed copy of the live rows (`Rows`). Under
 torch.compile every held slot is computed instead, from the fixed buffers, so
 that no strength change recompiles the graph.
 """
@@ -89,8 +89,8 @@ class LayerSlots:
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
         self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, its packed columns)
         self.hi = 0  # the low-rank slots 0..hi-1 are computed: hi - 1 is the last live one
+        self.rows: Rows | None = None  # the low-rank rows computed at each step (None: no live low-rank slot)
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
-        self.packed: Packed | None = None  # the live slots' rows alone, when that saves enough of the GEMMs
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
         self.idle = True  # no live slot at all
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
@@ -100,7 +100,7 @@ class LayerSlots:
         return not (self.lr_used or self.dense or self.bias)
 
     def nbytes(self) -> int:
-        packed = (self.packed.a, self.packed.b) if self.packed is not None else ()
+        packed = (self.rows.a, self.rows.b) if self.rows is not None and self.rows.packed else ()
         ts = [self.a, self.b, *packed, *self.dense.values(), *self.bias.values()]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -114,23 +114,29 @@ class LayerSlots:
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
-        packed = None if compiling else self.packed
+        if compiling:  # every held slot, from the fixed buffers; no cache, whose checks would be guarded
+            scale = bank.scale if self.factor is None else bank.scale * self.factor
+            if not self.lr_used:
+                return runtime.apply(self, module, x, out, scale)
+            return runtime.apply(self, module, x, out, scale, self.a, self.b,
+                                 scale.repeat_interleave(self.rank, -1))
+        rows = self.rows
         if self.factor is None:
             scale = bank.scale
-            columns = None if packed is None else bank.column_scale(packed)
-        elif compiling:  # no cache: its generation check would be guarded, and every strength change recompile
-            scale, columns = bank.scale * self.factor, None
+            columns = None if rows is None else bank.column_scale(rows)
         else:
-            scale, columns = self.weighted_scale(packed)
-        return runtime.apply(self, module, x, out, scale, every_slot=compiling, packed=packed, columns=columns)
+            scale, columns = self.weighted_scale()
+        if rows is None:
+            return runtime.apply(self, module, x, out, scale, dead=self.dead)
+        return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
 
-    def weighted_scale(self, packed: Packed | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The strengths times this layer's weights, and those expanded to its packed columns: computed at the
+    def weighted_scale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the
         first step after a strength change, not at every step."""
         gen = self.bank.generation
         if self.cached_scale is None or self.cached_scale[0] != gen:
             scale = self.bank.scale * self.factor
-            self.cached_scale = (gen, scale, None if packed is None else scale.index_select(-1, packed.columns))
+            self.cached_scale = (gen, scale, None if self.rows is None else self.rows.columns(scale))
         return self.cached_scale[1], self.cached_scale[2]
 
     def set_live(self, live: list[bool]) -> None:
@@ -140,7 +146,7 @@ class LayerSlots:
         extra = set(self.dense) | set(self.bias)
         self.dead = {s for s in extra if not live[s]}
         self.idle = not lr and not (extra - self.dead)
-        self.packed = Packed.of(self, lr)
+        self.rows = Rows.of(self, lr)
 
     def ensure_rank(self, rank: int) -> None:
         """Slot buffers of at least `rank` rows per slot. The first ones are left unfilled, every slot dirty:
@@ -195,36 +201,51 @@ class LayerSlots:
         if self.factor is not None:
             self.factor = self.factor.to(device)
         self.cached_scale = None
-        self.packed = None if self.packed is None else self.packed.to(device)
+        self.rows = None if self.rows is None else self.rows.to(self)
 
 
 @dataclass(frozen=True)
-class Packed:
-    """A layer's live low-rank slots with their padding and dead slots cut out: A [Σr, in, *k], B [out, Σr],
-    and the slot of each of the Σr columns. The strengths are expanded to those columns once per change
-    (`SlotBank.column_scale`), so a step costs the same operations as with the slot buffers."""
+class Rows:
+    """The low-rank rows a layer computes at each step: A [Σr, in, *k], B [out, Σr], and `key`, the (slot, rows)
+    of each slot they hold, in order. Either views of the slot buffers' first hi slots, padding and dead slots
+    included, or, when those would leave a quarter or more of their rows empty, a packed copy of the live slots'
+    filled rows alone (`packed`). The strengths are expanded to the Σr columns once per change
+    (`SlotBank.column_scale`), so a step scales them in one operation."""
 
-    key: tuple[tuple[int, int], ...]  # (slot, rows) of each live slot, in order
+    key: tuple[tuple[int, int], ...]
     a: torch.Tensor
     b: torch.Tensor
-    columns: torch.Tensor  # [Σr] long: the slot of each column
+    packed: bool
+    slot_of: torch.Tensor | None = None  # packed: [Σr] long, the slot of each column
 
     SAVING = 0.75  # pack when the live rows are at most this share of the rows the slot buffers compute
 
     @classmethod
-    def of(cls, layer: LayerSlots, live: list[int]) -> Packed | None:
+    def of(cls, layer: LayerSlots, live: list[int]) -> Rows | None:
         if not live:
             return None
-        key = tuple((s, layer.ranks.get(s, layer.rank)) for s in live)
-        if sum(r for _, r in key) > cls.SAVING * layer.hi * layer.rank:
-            return None
-        rows = [torch.arange(s * layer.rank, s * layer.rank + r) for s, r in key]
-        index = torch.cat(rows).to(layer.a.device)
-        columns = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(layer.a.device)
-        return cls(key, layer.a.index_select(0, index), layer.b.index_select(1, index), columns)
+        rank, dev = layer.rank, layer.a.device
+        key = tuple((s, layer.ranks.get(s, rank)) for s in live)
+        if sum(r for _, r in key) > cls.SAVING * layer.hi * rank:
+            n = layer.hi * rank
+            return cls(tuple((s, rank) for s in range(layer.hi)), layer.a[:n], layer.b[:, :n], False)
+        index = torch.cat([torch.arange(s * rank, s * rank + r) for s, r in key]).to(dev)
+        slot_of = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(dev)
+        return cls(key, layer.a.index_select(0, index), layer.b.index_select(1, index), True, slot_of)
 
-    def to(self, device: torch.device) -> Packed:
-        return Packed(self.key, self.a.to(device), self.b.to(device), self.columns.to(device))
+    def columns(self, scale: torch.Tensor) -> torch.Tensor:
+        """The strengths, [N] or [batch, N], expanded to these rows' columns."""
+        if self.slot_of is not None:
+            return scale.index_select(-1, self.slot_of)
+        return scale[..., :len(self.key)].repeat_interleave(self.key[0][1], -1)
+
+    def to(self, layer: LayerSlots) -> Rows:
+        """The same rows after `layer`'s buffers moved to another device."""
+        if not self.packed:
+            n = len(self.key) * layer.rank
+            return Rows(self.key, layer.a[:n], layer.b[:, :n], False)
+        dev = layer.a.device
+        return Rows(self.key, self.a.to(dev), self.b.to(dev), True, self.slot_of.to(dev))
 
 
 class SlotBank:
@@ -257,7 +278,7 @@ class SlotBank:
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
         self._live_key: bytes | None = None  # the zero pattern the layers' live slots were found for
-        self._columns: dict[tuple, torch.Tensor] = {}  # Packed.key -> the scale expanded to its columns
+        self._columns: dict[tuple, torch.Tensor] = {}  # Rows.key -> the scale expanded to its columns
         self.generation = 0  # counts changes of the scale and the live slots; layers' cached scales follow it
         self._weights_key: tuple | None = None  # the layer weights (and batch) the layers' factors were set for
         self.all_zero = True
@@ -556,12 +577,12 @@ class SlotBank:
         self.generation += 1
         self._refresh_live(values)
 
-    def column_scale(self, packed: Packed) -> torch.Tensor:
-        """The strengths expanded to a packed layer's columns, [Σr] or [batch, Σr]: one gather per pattern
-        of live slots and ranks per strength change, shared by every layer with that pattern."""
-        cols = self._columns.get(packed.key)
+    def column_scale(self, rows: Rows) -> torch.Tensor:
+        """The strengths expanded to a layer's low-rank columns, [Σr] or [batch, Σr]: computed once per pattern
+        of slots and ranks per strength change, and shared by every layer with that pattern."""
+        cols = self._columns.get(rows.key)
         if cols is None:
-            cols = self._columns[packed.key] = self.scale.index_select(-1, packed.columns)
+            cols = self._columns[rows.key] = rows.columns(self.scale)
         return cols
 
     def _refresh_live(self, values: torch.Tensor) -> None:

@@ -298,17 +298,17 @@ def test_packed_slots_compute_only_live_rows(tmp_path):
         with torch.no_grad():
             got = model(x)
         assert torch.allclose(got, ref, atol=TOL)
-        live = sum(r for _, r in bank.layers["proj"].packed.key)
+        live = sum(r for _, r in bank.layers["proj"].rows.key)
         assert live == sum({"small": 2, "mid": 4}[e[0].name] for e in entries
                            if e[0] is not big and (e[1] != 0.0 if not isinstance(e[1], list) else any(e[1])))
     bank.activate([(big, 1.0), (small, 0.7), (mid, -0.4)])  # 18 of 36 rows: packed too
     with torch.no_grad():
         assert torch.allclose(model(x), solo([(big, 1.0), (small, 0.7), (mid, -0.4)], x), atol=TOL)
-    assert bank.layers["proj"].packed is not None and bank.layers["conv_in"].packed is not None
+    assert bank.layers["proj"].rows.packed and bank.layers["conv_in"].rows.packed
     from lora_engine import Entry
     shaped = [Entry(big, 0.0), Entry(small, 0.7, layer_weights={"proj": 0.5, "conv_in": 2.0}), Entry(mid, -0.4)]
     bank.activate(shaped)  # layer weights take their own column scale
-    assert bank.layers["proj"].factor is not None and bank.layers["proj"].packed is not None
+    assert bank.layers["proj"].factor is not None and bank.layers["proj"].rows.packed
     with torch.no_grad():
         assert torch.allclose(model(x), solo(shaped[1:], x), atol=TOL)
 
@@ -326,7 +326,7 @@ def test_layer_weighted_scales_follow_every_strength_change(tmp_path):
     x = lf.tiny_input(batch=2)
     bank = SlotBank(model, max_loras=2)
     bank.activate([Entry(big, 0.0), Entry(small, 0.7, layer_weights=weights)])
-    assert bank.layers["proj"].packed is not None and bank.layers["proj"].factor is not None
+    assert bank.layers["proj"].rows.packed and bank.layers["proj"].factor is not None
     steps = [("set_strength", 0.7), ("set_strength", -1.3), ("set_strength", [0.4, -0.2]), ("set_strength", 0.9)]
     for _, value in steps:
         run(model, x)  # the previous strengths are cached in the weighted layers
@@ -346,9 +346,9 @@ def test_slots_of_one_rank_are_not_packed(tmp_path):
             for i, n in enumerate("ab"))
     bank = SlotBank(model, max_loras=2)
     bank.activate([(a, 1.0), (b, 1.0)])  # every row of both slots is live: the slot buffers are used as they are
-    assert all(layer.packed is None for layer in bank.layers.values())
+    assert not any(layer.rows.packed for layer in bank.layers.values())
     bank.activate([(a, 0.0), (b, 1.0)])  # slot 0 at 0 before the live slot 1: only slot 1's rows
-    assert all(layer.packed is not None and layer.packed.key == ((1, 3),) for layer in bank.layers.values())
+    assert all(layer.rows.packed and layer.rows.key == ((1, 3),) for layer in bank.layers.values())
 
 
 def test_unfilled_and_released_rows_never_reach_a_forward(tmp_path, monkeypatch):
