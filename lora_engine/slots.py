@@ -87,7 +87,7 @@ class LayerSlots:
         self.bias: dict[int, torch.Tensor] = {}
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
-        self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, its packed columns)
+        self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, expanded to the rows' columns)
         self.hi = 0  # the low-rank slots 0..hi-1 are computed: hi - 1 is the last live one
         self.rows: Rows | None = None  # the low-rank rows computed at each step (None: no live low-rank slot)
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
@@ -358,7 +358,7 @@ class SlotBank:
             bindings = [self.binding(a) for a in wanted]  # raises before any state changes
             staged = {id(b.adapter): self._stage(b) for b in bindings if not self._resident(b.adapter)}
 
-            released = []
+            previous, released = list(self.slots), []
             for i, a in enumerate(self.slots):
                 if a is not None and id(a) not in merged:
                     self._clear_slot(i)
@@ -373,7 +373,7 @@ class SlotBank:
                     nbytes += self._write(slot, b, staged[id(b.adapter)])
                 except BaseException:
                     self._clear_slot(slot)  # a free slot is zero: the next write adds only its own pieces
-                    self._scrub()
+                    self._abandon(previous)
                     raise
                 self.slots[slot] = b.adapter
                 copied.append(b.adapter.name)
@@ -524,6 +524,19 @@ class SlotBank:
                 layer.bias[slot] = bias.to(device=self.device, dtype=self.dtype, non_blocking=True)
                 nbytes += bias.numel() * layer.bias[slot].element_size()
         return nbytes
+
+    def _abandon(self, previous: list[Adapter | None]) -> None:
+        """After a write failed (out of memory, an interrupt): every slot whose adapter changed goes to strength
+        0, so that a newcomer already written stays warm at 0 instead of taking the strength its slot's previous
+        adapter had; the adapters kept compute as before."""
+        self._scrub()
+        table = self._table.clone()
+        for i, (was, now) in enumerate(zip(previous, self.slots)):
+            if was is not now:
+                table[..., i] = 0.0
+        self._table = table
+        self._live_key = None
+        self._push()
 
     def _scrub(self) -> None:
         for layer in self.layers.values():
