@@ -175,8 +175,8 @@ def main() -> int:
     ap.add_argument("--txt-tokens", type=int, default=None, help="text tokens (default 32; 512 with --full)")
     ap.add_argument("--rank", type=int, default=RANK)
     ap.add_argument("--ks", default="1,2,4,8")
-    ap.add_argument("--repeat", type=int, default=5,
-                    help="timed step pairs (base, with adapters) and strength changes per cell; medians (default 5)")
+    ap.add_argument("--repeat", type=int, default=9,
+                    help="timed step pairs (base, with adapters) and strength changes per cell; medians (default 9)")
     ap.add_argument("--repeat-apply", type=int, default=2, help="timed first applications per cell (median; default 2)")
     ap.add_argument("--paths", default="ours,fused,bypass")
     args = ap.parse_args()
