@@ -20,6 +20,8 @@ every block), it measures:
           strength† the same move the way ComfyUI runs it: MultiLoRALoader's apply_stack (new clone)
                     + load_models_gpu (eject the old clone, inject the new: re-activation)
           first     a fresh bank activating k adapters from the engine's warm cache
+          swap      k other adapters replacing the k active ones in the bank's warm slots (how
+                    a model's LoRAs change after its first run)
           memory    slot bytes on the device (no weight backups exist)
   fused   LoraLoader's path: comfy.sd.load_lora_for_models per LoRA (state dicts already read, as
           the node caches them), then comfy.model_management.load_models_gpu, which patches
@@ -31,7 +33,9 @@ every block), it measures:
           memory    bytes of the weight backups ModelPatcher keeps (patcher.backup)
   bypass  LoraLoaderBypass's path: comfy.sd.load_bypass_lora_for_models + load_models_gpu, which
           injects ComfyUI's BypassForwardHook per layer (adapter weights moved to the device):
-          step, strength, first as for fused; memory: adapter bytes moved to the device.
+          step, strength, first as for fused; memory: adapter bytes moved to the device;
+          swap: a model with k other LoRAs' injections loaded in place of the active one's.
+          (The fused path's swap is an unpatch and a first application: not measured.)
           k > 1: a stock chain of LoraLoaderBypass nodes keeps only its last LoRA (each node
           replaces the "bypass_lora" injection list), so here each LoRA's own injection from
           load_bypass_lora_for_models is composed into one (injected in order, ejected in
@@ -41,8 +45,8 @@ Steps: ours and bypass alternate forwards without and with the adapters (bank.de
 ModelPatcher.eject_model/inject_model), --repeat pairs, and "step vs base" is the median of the
 per-pair ratios, so load from other jobs moves both sides of each ratio; the fused path's steps
 alternate the same way, its patched weights and ComfyUI's backups of the originals swapped by
-reference (no copy). Strength changes: median of --repeat
-(set_strength: of 50). First application: median of --repeat-apply.
+reference (no copy). Strength changes: median of --repeat (set_strength: of 50). First
+application: median of --repeat-apply. Swaps: median of 3, alternating between two sets of k.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
+import itertools
 import math
 import os
 import shutil
@@ -217,7 +222,7 @@ def main() -> int:
           f"{args.dtype} on {device}; step: {tokens} image + {txt_tokens} text tokens")
     tmp = tempfile.mkdtemp(prefix="multilora-compare-")
     atexit.register(shutil.rmtree, tmp, True)
-    lora_paths = write_loras(torch, targets, max(ks), args.rank, tmp)
+    lora_paths = write_loras(torch, targets, 2 * max(ks), args.rank, tmp)  # k to apply, k to swap in
     lora_mb = os.path.getsize(lora_paths[0]) / 2**20
     print(f"LoRAs: {max(ks)} synthetic, rank {args.rank}, kohya keys on all {len(targets)} block Linears, "
           f"{lora_mb:.1f} MB each (bf16)")
@@ -254,7 +259,7 @@ def main() -> int:
     # What LoraLoader / LoraLoaderBypass hold after their first run: the state dicts, read once.
     lora_sds = [comfy.utils.load_torch_file(p, safe_load=True) for p in lora_paths]
     # Our engine's process-wide cache, warm: the files are parsed once, as MultiLoRALoader does.
-    cache = AdapterCache(max_items=max(ks) + 1, max_bytes=1 << 40)
+    cache = AdapterCache(max_items=2 * max(ks) + 1, max_bytes=1 << 40)
     adapters = [cache.load(p, name=os.path.basename(p), convert=comfy.lora_convert.convert_lora,
                            convert_id="comfy") for p in lora_paths]
     keymap = KeyMap(root, comfy.lora.model_lora_keys_unet(root, {}), defaults=False)  # as nodes/bridge.py builds it
@@ -290,6 +295,8 @@ def main() -> int:
             r["strength_ours"] = timer.median(lambda: bank.set_strength(adapters[0], next(values)), 50)
             r["first_ours"] = statistics.median(firsts)
             r["mem_ours"] = bank.occupancy()["bytes"]
+            swaps = itertools.cycle([list(zip(adapters[k:2 * k], ones)), list(zip(adapters[:k], ones))])
+            r["swap_ours"] = timer.median(lambda: bank.activate(next(swaps)), 3)
             bank.release()
             # The same slider move through ComfyUI: MultiLoRALoader's clone + load_models_gpu.
             reset()
@@ -406,6 +413,14 @@ def main() -> int:
                 keep[0] = m
 
             r["strength_bypass"] = timer.median(bypass_change, args.repeat, warmup=0)
+            swaps = itertools.cycle([lora_sds[k:2 * k], lora_sds[:k]])
+
+            def bypass_swap():
+                m = bypass_model([bypass_one(sd, 1.0) for sd in next(swaps)])
+                mm.load_models_gpu([m])
+                keep[0] = m
+
+            r["swap_bypass"] = timer.median(bypass_swap, 3)
             del keep, loaded, upstream
             reset()
 
@@ -431,6 +446,7 @@ def print_tables(rows, ks, paths) -> None:
     groups = [("step ms", "step", ["ours", "fused", "bypass"], ms),
               ("strength change ms", "strength", ["ours", "ours_comfy", "fused", "bypass"], ms),
               ("first application ms", "first", ["ours", "fused", "bypass"], ms),
+              ("LoRA swap ms", "swap", ["ours", "bypass"], ms),
               ("memory MB", "mem", ["ours", "fused", "bypass"], mb)]
     names = {"ours": "ours", "ours_comfy": "ours†", "fused": "fused", "bypass": "bypass"}
     w = 9
@@ -460,12 +476,12 @@ def print_tables(rows, ks, paths) -> None:
     print("\nratios, ours / ComfyUI (below 1: ours is cheaper)")
     hdr = (f"{'k':>2} | {'step / base step, wall':>22} | {'step / base, cpu':>22} | {'step':>15} | "
            f"{'strength (set_strength)':>23} | {'strength† (via ComfyUI)':>23} | {'first application':>17} | "
-           f"{'memory':>15}")
+           f"{'swap':>7} | {'memory':>15}")
     print(hdr)
     sub = (f"{'':>2} | {'ours':>6} {'fused':>7} {'bypass':>7} | {'ours':>6} {'fused':>7} {'bypass':>7} | "
            f"{'/fused':>7} {'/bypass':>7} | {'/fused':>11} "
-           f"{'/bypass':>11} | {'/fused':>11} {'/bypass':>11} | {'/fused':>8} {'/bypass':>8} | {'/fused':>7} "
-           f"{'/bypass':>7}")
+           f"{'/bypass':>11} | {'/fused':>11} {'/bypass':>11} | {'/fused':>8} {'/bypass':>8} | {'/bypass':>7} | "
+           f"{'/fused':>7} {'/bypass':>7}")
     print(sub)
     print("-" * len(hdr))
     for k in ks:
@@ -485,6 +501,7 @@ def print_tables(rows, ks, paths) -> None:
               f"{ratio(g('strength_ours_comfy'), g('strength_fused')):>11} "
               f"{ratio(g('strength_ours_comfy'), g('strength_bypass')):>11} | "
               f"{ratio(g('first_ours'), g('first_fused')):>8} {ratio(g('first_ours'), g('first_bypass')):>8} | "
+              f"{ratio(g('swap_ours'), g('swap_bypass')):>7} | "
               f"{ratio(g('mem_ours'), g('mem_fused')):>7} {ratio(g('mem_ours'), g('mem_bypass')):>7}")
 
     print("step: each path's step / base ratio over ours (each paired with its own base steps)")
