@@ -224,8 +224,8 @@ def main() -> int:
     atexit.register(shutil.rmtree, tmp, True)
     lora_paths = write_loras(torch, targets, 2 * max(ks), args.rank, tmp)  # k to apply, k to swap in
     lora_mb = os.path.getsize(lora_paths[0]) / 2**20
-    print(f"LoRAs: {max(ks)} synthetic, rank {args.rank}, kohya keys on all {len(targets)} block Linears, "
-          f"{lora_mb:.1f} MB each (bf16)")
+    print(f"LoRAs: {2 * max(ks)} synthetic (k to apply, k to swap in), rank {args.rank}, kohya keys on all "
+          f"{len(targets)} block Linears, {lora_mb:.1f} MB each (bf16)")
 
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, 16, 2 * side, 2 * side, generator=gen, device=device).to(dtype)
