@@ -12,8 +12,11 @@ from .browser import BrowserError
 NODE_CLASS = "LoRAStackRows"
 
 # Client coordinates of a point of a node: a widget's row (fx: fraction of the node's width), or a slot.
-# The canvas draws graph point p at (p + ds.offset) * ds.scale inside the canvas element.
-TO_CLIENT = """const toClient = ([x, y]) => {
+# The canvas draws graph point p at (p + ds.offset) * ds.scale inside the canvas element. LiteGraph lays
+# out a node's widgets and slots when it draws the node, on the next animation frame, which a headless
+# page may delay past any fixed wait: each point first draws the canvas once, synchronously.
+TO_CLIENT = """app.canvas.draw(true, true)
+const toClient = ([x, y]) => {
   const {offset, scale} = app.canvas.ds
   const r = app.canvas.canvas.getBoundingClientRect()
   return [r.left + (x + offset[0]) * scale, r.top + (y + offset[1]) * scale]
