@@ -88,12 +88,16 @@ class LayerSlots:
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
         self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, expanded to the rows' columns)
-        self.hi = 0  # the low-rank slots 0..hi-1 are computed: hi - 1 is the last live one
         self.rows: Rows | None = None  # the low-rank rows computed at each step (None: no live low-rank slot)
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
         self.idle = True  # no live slot at all
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
+
+    @property
+    def hi(self) -> int:
+        """The low-rank slots 0..hi-1 hold every live one: hi - 1 is the last live slot (0: none)."""
+        return 0 if self.rows is None else self.rows.key[-1][0] + 1
 
     @property
     def empty(self) -> bool:
@@ -142,7 +146,6 @@ class LayerSlots:
     def set_live(self, live: list[bool]) -> None:
         """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
         lr = sorted(s for s in self.lr_used if live[s])
-        self.hi = lr[-1] + 1 if lr else 0
         extra = set(self.dense) | set(self.bias)
         self.dead = {s for s in extra if not live[s]}
         self.idle = not lr and not (extra - self.dead)
@@ -224,11 +227,10 @@ class Rows:
     def of(cls, layer: LayerSlots, live: list[int]) -> Rows | None:
         if not live:
             return None
-        rank, dev = layer.rank, layer.a.device
+        rank, dev, hi = layer.rank, layer.a.device, live[-1] + 1
         key = tuple((s, layer.ranks.get(s, rank)) for s in live)
-        if sum(r for _, r in key) > cls.SAVING * layer.hi * rank:
-            n = layer.hi * rank
-            return cls(tuple((s, rank) for s in range(layer.hi)), layer.a[:n], layer.b[:, :n], False)
+        if sum(r for _, r in key) > cls.SAVING * hi * rank:
+            return cls(tuple((s, rank) for s in range(hi)), layer.a[:hi * rank], layer.b[:, :hi * rank], False)
         index = torch.cat([torch.arange(s * rank, s * rank + r) for s, r in key]).to(dev)
         slot_of = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(dev)
         return cls(key, layer.a.index_select(0, index), layer.b.index_select(1, index), True, slot_of)

@@ -150,11 +150,11 @@ def _bank(patcher, root, kind: str, slots: int) -> SlotBank:
 def _binding(adapter: Adapter, root, kind: str):
     """The adapter bound to `root`, from the model's bank when it has one (the bank keeps the bindings of
     its adapters: a slider move re-binds nothing); None when it matches no layer."""
-    bank = root.__dict__.get("_lora_engine_bank")
+    bank, keymap = root.__dict__.get("_lora_engine_bank"), _keymap(root, kind)
     try:
-        if bank is not None and bank.keymap is _keymap(root, kind):
+        if bank is not None and bank.keymap is keymap:
             return bank.binding(adapter)
-        return bind(adapter, _keymap(root, kind), type(root).__name__)
+        return bind(adapter, keymap, type(root).__name__)
     except LoRANoMatchError:
         return None
 
