@@ -15,7 +15,10 @@ adapters at rank 32:
   loader does after a slider move);
 - break-even: how many steps after a slider move a fusing loader needs to catch up,
   (re-fuse − strength change) / (our step − base step);
-- the activation cost for adapters already in the warm cache.
+- the activation cost for adapters already in the warm cache;
+- a stack grown by one entry: the (k+1)-th adapter into a bank of k slots, grown in
+  place (the k resident adapters' rows copied on the device), against a new bank of
+  k+1 slots that copies every adapter from the host (--grow k; 0 skips it).
 
 Step times are paired: each round runs base, ours, bare and one-live once, in turn, and
 each ratio is the median of the per-round ratios, so load from other jobs moves both
@@ -276,6 +279,32 @@ def mixed_line(model, x, tmp: str, ranks: list[int], device, dtype, repeat: int)
             f"{steps['padded']['cpu_ratio']:.3f} x base (wall / CPU)")
 
 
+def grow_line(model, adapters, k: int, device, dtype, rounds: int = 3) -> str:
+    """The (k+1)-th adapter of a stack into a bank of k slots: the bank grown in place against a new bank of
+    k+1 slots, alternating, medians of `rounds`."""
+    stack = [(a, 1.0) for a in adapters[:k + 1]]
+    times = {"grown": [], "new": []}
+    for _ in range(rounds):
+        bank = SlotBank(model, max_loras=k, dtype=dtype, device=device)
+        bank.activate(stack[:k])
+        sync(device)
+        t0 = time.perf_counter()
+        bank.grow(k + 1)
+        bank.activate(stack)
+        sync(device)
+        times["grown"].append(time.perf_counter() - t0)
+        bank.release()
+        t0 = time.perf_counter()
+        bank = SlotBank(model, max_loras=k + 1, dtype=dtype, device=device)
+        bank.activate(stack)
+        sync(device)
+        times["new"].append(time.perf_counter() - t0)
+        bank.release()
+    grown, new = (statistics.median(times[n]) * 1e3 for n in ("grown", "new"))
+    return (f"\nstack grown from {k} to {k + 1} adapters: bank grown in place {grown:.1f} ms (1 adapter copied), "
+            f"a new bank {new:.1f} ms ({k + 1} copied): {grown / new:.2f}x")
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -299,6 +328,8 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
     ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
     ap.add_argument("--mixed", default="16,16,32,128", help="ranks of the mixed-rank line (empty: skip)")
+    ap.add_argument("--grow", type=int, default=4, help="k of the line for a stack grown from k to k+1 adapters "
+                    "(0: skip; at most 2 * max(ks) - 1)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -335,6 +366,8 @@ def main() -> None:
         print(row(model, x, adapters[:k], adapters[k:2 * k], linears, backups, device, dtype, args.repeat), flush=True)
     if args.mixed:
         print(mixed_line(model, x, tmp, [int(r) for r in args.mixed.split(",")], device, dtype, args.repeat))
+    if 0 < args.grow < len(adapters):
+        print(grow_line(model, adapters, args.grow, device, dtype))
     if args.grid:
         print(per_item_line(model, adapters[:min(4, len(adapters))], args.grid, args.grid_tokens, device, dtype,
                             args.repeat))

@@ -7,7 +7,8 @@ layer's slot rank, so shapes stay fixed while adapters and strengths change.
 Activation compares the requested set as a set: resident adapters keep their
 slot, only newcomers are copied (non-blocking), an adapter left out releases
 its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
-or [batch, N]; changing them is a tensor write.
+or [batch, N]; changing them is a tensor write. A bank asked for more slots grows
+in place around its resident adapters.
 
 Strength shaping changes numbers only: a schedule multiplies a slot's strength
 at each `set_progress`, and layer weights give a layer its own factor per slot.
@@ -169,6 +170,27 @@ class LayerSlots:
         self.a, self.b, self.rank = a, b, rank
         self.bank.reallocations += 1
 
+    def resize(self, n: int) -> None:
+        """`n` slots of the current rank. More slots reallocate the buffers: the current ones are copied into
+        their first rows, on the device, and the new slots are zero. Fewer (undoing a growth) keep a view of the
+        first n slots and allocate nothing."""
+        if self.a is not None:
+            rows, held = n * self.rank, self.a.shape[0]
+            if rows <= held:
+                self.a, self.b = self.a[:rows], self.b[:, :rows]
+            else:
+                a = torch.empty((rows, *self.a.shape[1:]), dtype=self.dtype, device=self.a.device)
+                b = torch.empty((self.b.shape[0], rows), dtype=self.dtype, device=self.b.device)
+                a[:held].copy_(self.a)
+                a[held:].zero_()
+                b[:, :held].copy_(self.b)
+                b[:, held:].zero_()
+                self.a, self.b = a, b
+                self.bank.reallocations += 1
+            if self.rows is not None:
+                self.rows = self.rows.to(self)  # its views would keep the old buffers alive
+        self.n = n
+
     def prepare(self, slot: int, plan: ModulePlan) -> None:
         """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills
         every row."""
@@ -296,16 +318,44 @@ class SlotBank:
 
     @classmethod
     def of(cls, root: nn.Module, **kwargs) -> SlotBank:
-        """The bank attached to `root`, created on first use. Growing `max_loras` rebuilds it."""
+        """The bank attached to `root`, created on first use, grown in place when it has fewer than
+        `max_loras` slots (`grow`); its other settings are those it was created with."""
         bank = root.__dict__.get("_lora_engine_bank")
-        want = kwargs.get("max_loras", 4)
-        if bank is not None and bank.max_loras < want:
-            bank.release()
-            bank = None
         if bank is None:
             bank = cls(root, **kwargs)
             root.__dict__["_lora_engine_bank"] = bank
+        else:
+            bank.grow(kwargs.get("max_loras", 4))
         return bank
+
+    def grow(self, max_loras: int) -> None:
+        """At least `max_loras` slots. The resident adapters keep their slots and strengths: each layer's buffers
+        are reallocated in turn, on the device, with the rows held copied there (so at most one layer's old and
+        new buffers are held together), and nothing is read from the host or bound again. An error part way (out
+        of memory) puts the layers already grown back to views of their first slots and leaves the bank as it
+        was."""
+        with self.lock:
+            extra = max_loras - self.max_loras
+            if extra <= 0:
+                return
+            grown = []
+            try:
+                for layer in self.layers.values():
+                    layer.resize(max_loras)
+                    grown.append(layer)
+            except BaseException:
+                for layer in grown:
+                    layer.resize(self.max_loras)
+                raise
+            self.max_loras = max_loras
+            self.slots += [None] * extra
+            self._table = torch.cat([self._table, self._table.new_zeros(*self._table.shape[:-1], extra)], -1)
+            self._strengths = torch.zeros(max_loras, dtype=self.dtype, device=self.device)
+            self._item_strengths = None
+            if self._weights_key is not None:
+                self._set_layer_weights(*self._weights_key)
+            self._live_key = None
+            self._push()
 
     # -- binding ---------------------------------------------------------------------------------------
 

@@ -134,17 +134,11 @@ def _dtype(patcher, root):
 
 
 def _bank(patcher, root, kind: str, slots: int) -> SlotBank:
+    """The model's bank, created on first use and grown in place for a longer stack (its adapters stay)."""
     dtype = _dtype(patcher, root) if kind == "unet" else None
-    bank = root.__dict__.get("_lora_engine_bank")
-    if bank is not None and bank.max_loras >= slots:
-        return bank
-    size = max(slots, bank.max_loras if bank is not None else 0)
-    if bank is not None:
-        bank.release()
-    bank = SlotBank.of(root, max_loras=size, keymap=_keymap(root, kind), device=patcher.load_device,
+    return SlotBank.of(root, max_loras=slots, keymap=_keymap(root, kind), device=patcher.load_device,
                        dtype=dtype, model_name=type(root).__name__ if kind == "unet" else
                        f"{type(root).__name__} (text encoder)")
-    return bank
 
 
 def _binding(adapter: Adapter, root, kind: str):

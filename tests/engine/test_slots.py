@@ -368,6 +368,72 @@ def test_a_failed_write_leaves_the_kept_adapters_as_they_were(adapters, monkeypa
     assert torch.allclose(run(model, x), solo([(b, 0.3), (c, 1.0), (d, -0.7)], x), atol=TOL)
 
 
+def test_a_longer_stack_grows_the_bank_around_its_adapters(adapters, monkeypatch):
+    """Asking a model's bank for more slots grows it in place: the resident adapters keep their slots, strengths,
+    layer weights and schedule progress (their rows are copied on the device; nothing is copied from the host or
+    bound again), the output is unchanged, and the next activation copies only the newcomer."""
+    import lora_engine.slots as slots
+    from lora_engine import Entry, Schedule
+    a, b, c = adapters[:3]
+    x = lf.tiny_input(batch=2)
+    stack = [Entry(a, 0.0), Entry(b, [0.6, -0.4], Schedule.parse("0:1, 1:0.5"), {"proj": 0.5, "ff": 2.0})]
+    model = lf.tiny()
+    bank = SlotBank.of(model, max_loras=2)
+    bank.activate(stack)
+    bank.set_progress(0.5)
+    assert bank.layers["proj"].rows.packed  # a is warm at 0 before b: b's rows are a packed copy
+    before = run(model, x)
+    binds, real_bind = {"n": 0}, slots.bind
+
+    def counting_bind(*args, **kw):
+        binds["n"] += 1
+        return real_bind(*args, **kw)
+
+    monkeypatch.setattr(slots, "bind", counting_bind)
+    assert SlotBank.of(model, max_loras=4) is bank
+    assert bank.max_loras == 4 and bank.slots == [a, b, None, None] and bank.copies == 2
+    assert all(layer.a.shape[0] == 4 * layer.rank and layer.b.shape[1] == 4 * layer.rank
+               for layer in bank.layers.values() if layer.a is not None)
+    assert torch.equal(run(model, x), before)
+    done = bank.activate(stack + [Entry(c, 1.0)])
+    assert done.copied == ("a2",) and set(done.kept) == {"a0", "a1"} and bank.slots[:3] == [a, b, c]
+    assert binds["n"] == 1  # c alone
+    assert torch.allclose(run(model, x), solo(stack + [Entry(c, 1.0)], x), atol=TOL)
+    bank.activate([(c, 1.0)])  # the grown slots release and refill like any other
+    assert torch.allclose(run(model, x), solo([(c, 1.0)], x), atol=TOL)
+
+
+def test_a_failed_growth_leaves_the_bank_as_it_was(adapters, monkeypatch):
+    """Every new buffer is allocated before any layer changes: running out of device memory part way leaves the
+    bank at its size, with its adapters computing as before."""
+    import lora_engine.slots as slots
+    a, b, c = adapters[:3]
+    x = lf.tiny_input()
+    model = lf.tiny()
+    bank = SlotBank.of(model, max_loras=2)
+    bank.activate([(a, 0.5), (b, 0.8)])
+    before = run(model, x)
+    real, calls = slots.LayerSlots.resize, {"n": 0}
+
+    def failing(self, n):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, n)
+
+    monkeypatch.setattr(slots.LayerSlots, "resize", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        SlotBank.of(model, max_loras=3)
+    assert len(bank.layers) > 3 and calls["n"] == 3 + 2  # the third layer failed; the first two were put back
+    assert bank.max_loras == 2 and bank.slots == [a, b]
+    assert all(layer.n == 2 and layer.a.shape[0] == 2 * layer.rank and layer.b.shape[1] == 2 * layer.rank
+               for layer in bank.layers.values())
+    assert torch.equal(run(model, x), before)
+    monkeypatch.setattr(slots.LayerSlots, "resize", real)
+    SlotBank.of(model, max_loras=3).activate([(a, 0.5), (b, 0.8), (c, -1.0)])
+    assert torch.allclose(run(model, x), solo([(a, 0.5), (b, 0.8), (c, -1.0)], x), atol=TOL)
+
+
 def test_slots_of_one_rank_are_not_packed(tmp_path):
     model = lf.tiny()
     a, b = (load_adapter(lf.write(tmp_path, f"{n}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)), name=n)

@@ -185,6 +185,29 @@ def test_strength_only_rerun_reads_no_file_and_patches_no_weight(server, ours, r
     assert np.array_equal(one(server, ours), reference["ours"])
 
 
+def test_more_slots_keep_the_adapters_where_they_are(server, ours, reference):
+    """A larger max_loras (as a longer stack asks for) grows each model's bank in place: no file is read and no
+    adapter copied into a slot again, the adapters keep their slots, and the image is the same, bit for bit."""
+    def banks(s):  # the model's and its text encoder's banks, holding this stack
+        found = {b["model"]: b for b in s["banks"] if {x["name"] for x in b["slots"] if x} == set(NAMES)}
+        assert len(found) == 2, s["banks"]
+        return found
+
+    one(server, wf.drop_entry(ours, NAMES[1]))
+    one(server, ours)  # the banks have now copied more adapters than they hold: a new bank would count fewer
+    before = status(server)
+    size = max(b["max_loras"] for b in banks(before).values()) + 2
+    grown = copy.deepcopy(ours)
+    grown[LOADER]["inputs"]["max_loras"] = size
+    assert np.array_equal(one(server, grown), reference["ours"])
+    after = status(server)
+    assert after["cache"]["misses"] == before["cache"]["misses"]
+    for model, bank in banks(after).items():
+        old = banks(before)[model]
+        assert bank["max_loras"] == size and bank["copies"] == old["copies"]
+        assert [x and x["name"] for x in bank["slots"][:old["max_loras"]]] == [x and x["name"] for x in old["slots"]]
+
+
 def test_seed_only_rerun_reads_no_file(server, ours):
     one(server, ours)
     before = status(server)
