@@ -45,7 +45,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lora_engine import AdapterCache, SlotBank  # noqa: E402  (after the sys.path line)
-from lora_engine.slots import Rows  # noqa: E402
+from lora_engine.layer import Rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import machine_line  # noqa: E402

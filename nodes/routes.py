@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 
 from lora_engine import LoRAError, all_banks, default_cache, read_header
-from lora_engine.slots import LayerSlots
+from lora_engine.layer import LayerSlots
 
 from . import bridge
 from .distill import fusion_log

@@ -449,12 +449,12 @@ def test_unfilled_and_released_rows_never_reach_a_forward(tmp_path, monkeypatch)
     """Fresh slot buffers are not zero-filled and a released slot is not zeroed at once: a newcomer that fills
     every row of a slot overwrites it, and whatever is left is zeroed before the next forward. Fresh buffers are
     filled with NaN here, so that any row read before it is written or zeroed shows in the output."""
-    import lora_engine.slots as slots
+    import lora_engine.layer as layer_module
 
     def nan_filled(*shape, **kw):
         return torch.full(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape, float("nan"), **kw)
 
-    monkeypatch.setattr(slots, "_unfilled", nan_filled)
+    monkeypatch.setattr(layer_module, "_unfilled", nan_filled)
     model = lf.tiny()
     full = load_adapter(lf.write(tmp_path, "full.safetensors", lf.lora_tensors(model, "kohya", 1, rank=4)),
                         name="full")

@@ -1,0 +1,234 @@
+"""One layer's slot buffers, the rows it computes, and its forward hook.
+
+A targeted layer holds A [N·R, in, *k] and B [out, N·R] for the N slots of its
+bank, R padded to the layer's slot rank, plus a dense delta or a bias per slot
+for adapters that cannot run in low rank. Slot i owns rows i·R … (i+1)·R − 1.
+
+Each layer computes only its live slots: those it holds whose strength (times
+its factor) is not 0 for some batch item. Trailing dead slots are cut from the
+GEMMs, dead dense slots are skipped, and a layer with none live returns at once;
+warm slots at strength 0 cost nothing per step. Where dead slots between live
+ones or the padding of lower-rank adapters would leave a quarter or more of the
+rows empty, the layer keeps a packed copy of the live rows (`Rows`). Under
+torch.compile every held slot is computed instead, from the fixed buffers, so
+that no strength change recompiles the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from . import runtime
+from .binding import Geometry, ModulePlan
+
+if TYPE_CHECKING:
+    from .slots import SlotBank
+
+
+class LayerSlots:
+    """One layer's buffers and its forward hook."""
+
+    def __init__(self, bank: SlotBank, name: str, module: nn.Module):
+        self.bank = bank
+        self.name = name
+        self.geometry = Geometry.of(module)
+        self.n = bank.max_loras
+        self.dtype = bank.dtype
+        self.rank = 0
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+        self.lr_used: set[int] = set()
+        self.dirty: set[int] = set()  # slots no adapter holds whose rows may not be zero yet (see `scrub`)
+        self.dense: dict[int, torch.Tensor] = {}
+        self.bias: dict[int, torch.Tensor] = {}
+        self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
+        self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
+        self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, expanded to the rows' columns)
+        self.rows: Rows | None = None  # the low-rank rows computed at each step (None: no live low-rank slot)
+        self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
+        self.dead: set[int] = set()  # dense or bias slots whose strength is 0
+        self.idle = True  # no live slot at all
+        self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
+
+    @property
+    def hi(self) -> int:
+        """The low-rank slots 0..hi-1 hold every live one: hi - 1 is the last live slot (0: none)."""
+        return 0 if self.rows is None else self.rows.key[-1][0] + 1
+
+    @property
+    def empty(self) -> bool:
+        return not (self.lr_used or self.dense or self.bias)
+
+    def nbytes(self) -> int:
+        packed = (self.rows.a, self.rows.b) if self.rows is not None and self.rows.packed else ()
+        ts = [self.a, self.b, *packed, *self.dense.values(), *self.bias.values()]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def _hook(self, module, args, kwargs, out):
+        bank = self.bank
+        # Under torch.compile every held slot is computed: skipping by strength would make the graph
+        # depend on which strengths are 0, and recompile when a slider crosses 0.
+        compiling = torch.compiler.is_compiling()
+        if not bank.active or self.empty or (not compiling and (bank.all_zero or self.idle)):
+            return None
+        x = args[0] if args else next(iter(kwargs.values()))
+        if x.device != bank.device:
+            bank.to(x.device)
+        if compiling:  # every held slot, from the fixed buffers; no cache, whose checks would be guarded
+            scale = bank.scale if self.factor is None else bank.scale * self.factor
+            if not self.lr_used:
+                return runtime.apply(self, module, x, out, scale)
+            return runtime.apply(self, module, x, out, scale, self.a, self.b,
+                                 scale.repeat_interleave(self.rank, -1))
+        rows = self.rows
+        if self.factor is None:
+            scale = bank.scale
+            columns = None if rows is None else bank.column_scale(rows)
+        else:
+            scale, columns = self.weighted_scale()
+        if rows is None:
+            return runtime.apply(self, module, x, out, scale, dead=self.dead)
+        return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
+
+    def weighted_scale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the
+        first step after a strength change, not at every step."""
+        gen = self.bank.generation
+        if self.cached_scale is None or self.cached_scale[0] != gen:
+            scale = self.bank.scale * self.factor
+            self.cached_scale = (gen, scale, None if self.rows is None else self.rows.columns(scale))
+        return self.cached_scale[1], self.cached_scale[2]
+
+    def set_live(self, live: list[bool]) -> None:
+        """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
+        lr = sorted(s for s in self.lr_used if live[s])
+        extra = set(self.dense) | set(self.bias)
+        self.dead = {s for s in extra if not live[s]}
+        self.idle = not lr and not (extra - self.dead)
+        self.rows = Rows.of(self, lr)
+
+    def ensure_rank(self, rank: int) -> None:
+        """Slot buffers of at least `rank` rows per slot. The first ones are left unfilled, every slot dirty:
+        the activation writes or scrubs each of them before the next forward."""
+        if rank <= self.rank:
+            return
+        g, dev = self.geometry, self.bank.device
+        first = self.a is None
+        new = _unfilled if first else torch.zeros
+        a = new((self.n * rank, g.in_features, *g.kernel), dtype=self.dtype, device=dev)
+        b = new((g.out_features, self.n * rank), dtype=self.dtype, device=dev)
+        if not first:
+            for i in self.lr_used:
+                a[i * rank:i * rank + self.rank] = self.a[i * self.rank:(i + 1) * self.rank]
+                b[:, i * rank:i * rank + self.rank] = self.b[:, i * self.rank:(i + 1) * self.rank]
+        self.dirty = set(range(self.n)) - self.lr_used if first else set()
+        self.a, self.b, self.rank = a, b, rank
+        self.bank.reallocations += 1
+
+    def resize(self, n: int) -> None:
+        """`n` slots of the current rank. More slots reallocate the buffers: the current ones are copied into
+        their first rows, on the device, and the new slots are zero. Fewer (undoing a growth) keep a view of the
+        first n slots and allocate nothing."""
+        if self.a is not None:
+            rows, held = n * self.rank, self.a.shape[0]
+            if rows <= held:
+                self.a, self.b = self.a[:rows], self.b[:, :rows]
+            else:
+                a = torch.empty((rows, *self.a.shape[1:]), dtype=self.dtype, device=self.a.device)
+                b = torch.empty((self.b.shape[0], rows), dtype=self.dtype, device=self.b.device)
+                a[:held].copy_(self.a)
+                a[held:].zero_()
+                b[:, :held].copy_(self.b)
+                b[:, held:].zero_()
+                self.a, self.b = a, b
+                self.bank.reallocations += 1
+            if self.rows is not None:
+                self.rows = self.rows.to(self)  # its views would keep the old buffers alive
+        self.n = n
+
+    def prepare(self, slot: int, plan: ModulePlan) -> None:
+        """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills
+        every row."""
+        if slot in self.dirty:
+            if not plan.fills(self.rank):
+                self._zero(slot)
+            self.dirty.discard(slot)
+
+    def scrub(self) -> None:
+        """Zero the dirty slots: a slot no adapter holds is zero whenever the layer runs."""
+        for slot in self.dirty:
+            self._zero(slot)
+        self.dirty.clear()
+
+    def _zero(self, slot: int) -> None:
+        self.a[slot * self.rank:(slot + 1) * self.rank].zero_()
+        self.b[:, slot * self.rank:(slot + 1) * self.rank].zero_()
+
+    def clear(self, slot: int) -> None:
+        """Free the slot; its rows are zeroed by `scrub`, unless a newcomer overwrites them first."""
+        self.ranks.pop(slot, None)
+        if slot in self.lr_used:
+            self.lr_used.discard(slot)
+            self.dirty.add(slot)
+        self.dense.pop(slot, None)
+        self.bias.pop(slot, None)
+
+    def to(self, device: torch.device) -> None:
+        if self.a is not None:
+            self.a, self.b = self.a.to(device), self.b.to(device)
+        self.dense = {k: v.to(device) for k, v in self.dense.items()}
+        self.bias = {k: v.to(device) for k, v in self.bias.items()}
+        if self.factor is not None:
+            self.factor = self.factor.to(device)
+        self.cached_scale = None
+        self.rows = None if self.rows is None else self.rows.to(self)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The low-rank rows a layer computes at each step: A [Σr, in, *k], B [out, Σr], and `key`, the (slot, rows)
+    of each slot they hold, in order. Either views of the slot buffers' first hi slots, padding and dead slots
+    included, or, when those would leave a quarter or more of their rows empty, a packed copy of the live slots'
+    filled rows alone (`packed`). The strengths are expanded to the Σr columns once per change
+    (`SlotBank.column_scale`), so a step scales them in one operation."""
+
+    key: tuple[tuple[int, int], ...]
+    a: torch.Tensor
+    b: torch.Tensor
+    packed: bool
+    slot_of: torch.Tensor | None = None  # packed: [Σr] long, the slot of each column
+
+    SAVING = 0.75  # pack when the live rows are at most this share of the rows the slot buffers compute
+
+    @classmethod
+    def of(cls, layer: LayerSlots, live: list[int]) -> Rows | None:
+        if not live:
+            return None
+        rank, dev, hi = layer.rank, layer.a.device, live[-1] + 1
+        key = tuple((s, layer.ranks.get(s, rank)) for s in live)
+        if sum(r for _, r in key) > cls.SAVING * hi * rank:
+            return cls(tuple((s, rank) for s in range(hi)), layer.a[:hi * rank], layer.b[:, :hi * rank], False)
+        index = torch.cat([torch.arange(s * rank, s * rank + r) for s, r in key]).to(dev)
+        slot_of = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(dev)
+        return cls(key, layer.a.index_select(0, index), layer.b.index_select(1, index), True, slot_of)
+
+    def columns(self, scale: torch.Tensor) -> torch.Tensor:
+        """The strengths, [N] or [batch, N], expanded to these rows' columns."""
+        if self.slot_of is not None:
+            return scale.index_select(-1, self.slot_of)
+        return scale[..., :len(self.key)].repeat_interleave(self.key[0][1], -1)
+
+    def to(self, layer: LayerSlots) -> Rows:
+        """The same rows after `layer`'s buffers moved to another device."""
+        if not self.packed:
+            n = len(self.key) * layer.rank
+            return Rows(self.key, layer.a[:n], layer.b[:, :n], False)
+        dev = layer.a.device
+        return Rows(self.key, self.a.to(dev), self.b.to(dev), True, self.slot_of.to(dev))
+
+
+_unfilled = torch.empty  # first slot buffers: every row is written or scrubbed before a forward reads it
