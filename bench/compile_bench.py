@@ -1,8 +1,8 @@
 """The engine under torch.compile (inductor): recompiles counted across adapter changes, and the compiled step.
 
 On engine_bench's Flux-shaped blocks, one compiled model runs through the changes a ComfyUI session makes:
-slider moves (through 0 too), another adapter of the same rank swapped into a warm slot, a schedule
-with its progress updates, and per-item strengths. After each change it checks the compiled output
+slider moves (through 0 too), another adapter of the same rank swapped into a warm slot, an adapter
+released and a newcomer into its slot, a schedule with its progress updates, and per-item strengths. After each change it checks the compiled output
 against eager and prints how many graphs inductor has compiled so far. Then it times, paired round by
 round, the compiled step with k adapters against the compiled base step, and the same in eager mode.
 
@@ -68,6 +68,8 @@ def main() -> int:
         ("back to 1", lambda: bank.activate([(a, 1.0) for a in held])),
         ("another adapter of the same rank swapped in", lambda: bank.activate([(a, 1.0) for a in held[:-1]]
                                                                               + [(spare, 0.7)])),
+        ("an adapter released", lambda: bank.activate([(a, 1.0) for a in held[:-1]])),
+        ("a newcomer into the free slot", lambda: bank.activate([(a, 1.0) for a in held])),
         ("a schedule", lambda: bank.activate([Entry(first, 1.0, Schedule.parse("0:1, 1:0"))]
                                              + [(a, 1.0) for a in held[1:]])),
         ("schedule progress 0.5", lambda: bank.set_progress(0.5)),

@@ -10,8 +10,9 @@ GEMMs, dead dense slots are skipped, and a layer with none live returns at once;
 warm slots at strength 0 cost nothing per step. Where dead slots between live
 ones or the padding of lower-rank adapters would leave a quarter or more of the
 rows empty, the layer keeps a packed copy of the live rows (`Rows`). Under
-torch.compile every held slot is computed instead, from the fixed buffers, so
-that no strength change recompiles the graph.
+torch.compile every slot is computed instead, from the fixed buffers (a free
+slot is zero), so that neither a strength change nor a change of the slots in
+use recompiles the graph.
 """
 
 from __future__ import annotations
@@ -59,10 +60,6 @@ class LayerSlots:
         """The low-rank slots 0..hi-1 hold every live one: hi - 1 is the last live slot (0: none)."""
         return 0 if self.rows is None else self.rows.key[-1][0] + 1
 
-    @property
-    def empty(self) -> bool:
-        return not (self.lr_used or self.dense or self.bias)
-
     def nbytes(self) -> int:
         packed = (self.rows.a, self.rows.b) if self.rows is not None and self.rows.packed else ()
         ts = [self.a, self.b, *packed, *self.dense.values(), *self.bias.values()]
@@ -70,20 +67,13 @@ class LayerSlots:
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank
-        # Under torch.compile every held slot is computed: skipping by strength would make the graph
-        # depend on which strengths are 0, and recompile when a slider crosses 0.
-        compiling = torch.compiler.is_compiling()
-        if not bank.active or self.empty or (not compiling and (bank.all_zero or self.idle)):
+        if torch.compiler.is_compiling():
+            return self._compiled(module, args, kwargs, out)
+        if not bank.active or bank.all_zero or self.idle:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
-        if compiling:  # every held slot, from the fixed buffers; no cache, whose checks would be guarded
-            scale = bank.scale if self.factor is None else bank.scale * self.factor
-            if not self.lr_used:
-                return runtime.apply(self, module, x, out, scale)
-            return runtime.apply(self, module, x, out, scale, self.a, self.b,
-                                 scale.repeat_interleave(self.rank, -1))
         rows = self.rows
         if self.factor is None:
             scale = bank.scale
@@ -93,6 +83,23 @@ class LayerSlots:
         if rows is None:
             return runtime.apply(self, module, x, out, scale, dead=self.dead)
         return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
+
+    def _compiled(self, module, args, kwargs, out):
+        """The hook under torch.compile: every slot, from the fixed buffers, whatever the strengths and whichever
+        slots are held (a slot no adapter holds is zero). The graph's guards then see the buffers' shapes, not
+        which strengths are 0 or which slots are in use, so that no slider move, swap, release or newcomer of a
+        rank the slots hold recompiles it; nor does it read the eager path's caches, whose checks would be
+        guarded too."""
+        bank = self.bank
+        if not bank.active or (self.a is None and not self.dense and not self.bias):
+            return None
+        x = args[0] if args else next(iter(kwargs.values()))
+        if x.device != bank.device:
+            bank.to(x.device)
+        scale = bank.scale if self.factor is None else bank.scale * self.factor
+        if self.a is None:
+            return runtime.apply(self, module, x, out, scale)
+        return runtime.apply(self, module, x, out, scale, self.a, self.b, scale.repeat_interleave(self.rank, -1))
 
     def weighted_scale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the

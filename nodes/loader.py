@@ -30,7 +30,8 @@ class MultiLoRALoader:
                 "clip": ("CLIP", {"tooltip": "The text encoder; leave empty for a model-only stack."}),
                 "max_loras": ("INT", {"default": 0, "min": 0, "max": 64, "tooltip":
                                       "Slots to hold on the device. 0 sizes them to the stack. Zero-strength "
-                                      "entries count; disabled entries do not."}),
+                                      "entries count; disabled entries do not. A longer stack adds slots and "
+                                      "keeps the LoRAs already in theirs."}),
             },
         }
 

@@ -1,4 +1,4 @@
-"""torch.compile: strength changes, schedules and adapter swaps never recompile the graph.
+"""torch.compile: strength changes, schedules, adapter swaps, releases and newcomers never recompile the graph.
 
 The graph is traced by dynamo with a backend that counts compiled frames (no code generation, so this
 runs on any CPU in a second). Every output is checked against eager execution.
@@ -41,6 +41,9 @@ def test_no_recompile_when_strengths_schedules_or_adapters_change(tmp_path):
         lambda: bank.set_strength(b, 0.0),  # the last slot to 0: eager mode would cut it from the GEMMs
         lambda: bank.set_strength(a, 0.0),  # every strength 0: eager mode would skip the layers
         lambda: bank.activate([(a, 0.5), (c, 0.3)]),  # another adapter of the same rank into a warm slot
+        lambda: bank.activate([(c, 0.3)]),  # a released: its slot is free, and zero
+        lambda: bank.activate([(c, 0.3), (b, -0.6)]),  # a newcomer into the free slot
+        lambda: bank.activate([(a, 0.5), (c, 0.3)]),
         lambda: bank.activate([Entry(a, 1.0, Schedule.parse("0:1, 1:0")), (c, 0.3)]),
         lambda: bank.set_progress(0.5),
         lambda: bank.set_progress(1.0),
@@ -49,3 +52,31 @@ def test_no_recompile_when_strengths_schedules_or_adapters_change(tmp_path):
         change()
         check()
     assert counter.frame_count == 1
+
+
+def test_more_slots_compile_once_more_then_nothing_recompiles(tmp_path):
+    """A bank grown for a longer stack changes the slot buffers' shapes: one more graph, and none again for the
+    newcomer's activation and slider moves after it."""
+    torch._dynamo.reset()
+    model = lf.tiny()
+    a, b, c = (load_adapter(lf.write(tmp_path, f"{n}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)),
+                            name=n) for i, n in enumerate("abc"))
+    bank = SlotBank.of(model, max_loras=2)
+    bank.activate([(a, 0.5), (b, 0.3)])
+    counter = testing.CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    x = lf.tiny_input()
+
+    def check():
+        with torch.no_grad():
+            assert torch.allclose(compiled(x), model(x), atol=1e-6)
+
+    check()
+    assert SlotBank.of(model, max_loras=3) is bank
+    check()
+    assert counter.frame_count == 2
+    for change in (lambda: bank.activate([(a, 0.5), (b, 0.3), (c, -0.7)]), lambda: bank.set_strength(c, 0.2),
+                   lambda: bank.set_strength(a, 0.0)):
+        change()
+        check()
+    assert counter.frame_count == 2
