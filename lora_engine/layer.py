@@ -230,7 +230,7 @@ class Rows:
         return scale[..., :len(self.key)].repeat_interleave(self.key[0][1], -1)
 
     def to(self, layer: LayerSlots) -> Rows:
-        """The same rows after `layer`'s buffers moved to another device."""
+        """The same rows on `layer`'s current buffers, after they moved to another device or grew."""
         if not self.packed:
             n = len(self.key) * layer.rank
             return Rows(self.key, layer.a[:n], layer.b[:, :n], False)
