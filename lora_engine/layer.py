@@ -60,6 +60,11 @@ class LayerSlots:
         """The low-rank slots 0..hi-1 hold every live one: hi - 1 is the last live slot (0: none)."""
         return 0 if self.rows is None else self.rows.key[-1][0] + 1
 
+    @property
+    def empty(self) -> bool:
+        """No adapter holds a slot of this layer."""
+        return not (self.lr_used or self.dense or self.bias)
+
     def nbytes(self) -> int:
         packed = (self.rows.a, self.rows.b) if self.rows is not None and self.rows.packed else ()
         ts = [self.a, self.b, *packed, *self.dense.values(), *self.bias.values()]
