@@ -2,9 +2,10 @@
 
 On engine_bench's Flux-shaped blocks, one compiled model runs through the changes a ComfyUI session makes:
 slider moves (through 0 too), another adapter of the same rank swapped into a warm slot, an adapter
-released and a newcomer into its slot, a schedule with its progress updates, and per-item strengths. After each change it checks the compiled output
-against eager and prints how many graphs inductor has compiled so far. Then it times, paired round by
-round, the compiled step with k adapters against the compiled base step, and the same in eager mode.
+released and a newcomer into its slot, a schedule with its progress updates, and per-item strengths.
+After each change it checks the compiled output against eager and prints how many graphs inductor has
+compiled so far. Then it times, paired round by round, the compiled step with k adapters against the
+compiled base step, and the same in eager mode.
 
     python bench/compile_bench.py                                  # CPU (inductor needs a C++ compiler)
     python bench/compile_bench.py --device cuda --dtype bf16 --tokens 4096
