@@ -72,13 +72,16 @@ class LayerSlots:
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank
-        if torch.compiler.is_compiling():
-            return self._compiled(module, args, kwargs, out)
-        if not bank.active or bank.all_zero or self.idle:
+        compiling = torch.compiler.is_compiling()
+        # Under torch.compile the layer is skipped only when it has no buffers at all (see `_compiled`).
+        skip = (self.a is None and not self.dense and not self.bias) if compiling else (bank.all_zero or self.idle)
+        if not bank.active or skip:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         if x.device != bank.device:
             bank.to(x.device)
+        if compiling:
+            return self._compiled(module, x, out)
         rows = self.rows
         if self.factor is None:
             scale = bank.scale
@@ -89,19 +92,13 @@ class LayerSlots:
             return runtime.apply(self, module, x, out, scale, dead=self.dead)
         return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
 
-    def _compiled(self, module, args, kwargs, out):
-        """The hook under torch.compile: every slot, from the fixed buffers, whatever the strengths and whichever
-        slots are held (a slot no adapter holds is zero). The graph's guards then see the buffers' shapes, not
-        which strengths are 0 or which slots are in use, so that no slider move, swap, release or newcomer of a
-        rank the slots hold recompiles it; nor does it read the eager path's caches, whose checks would be
-        guarded too."""
-        bank = self.bank
-        if not bank.active or (self.a is None and not self.dense and not self.bias):
-            return None
-        x = args[0] if args else next(iter(kwargs.values()))
-        if x.device != bank.device:
-            bank.to(x.device)
-        scale = bank.scale if self.factor is None else bank.scale * self.factor
+    def _compiled(self, module, x, out):
+        """The hook's work under torch.compile: every slot, from the fixed buffers, whatever the strengths and
+        whichever slots are held (a slot no adapter holds is zero). The graph's guards then see the buffers'
+        shapes, not which strengths are 0 or which slots are in use, so that no slider move, swap, release or
+        newcomer of a rank the slots hold recompiles it; nor does it read the eager path's caches, whose checks
+        would be guarded too."""
+        scale = self.bank.scale if self.factor is None else self.bank.scale * self.factor
         if self.a is None:
             return runtime.apply(self, module, x, out, scale)
         return runtime.apply(self, module, x, out, scale, self.a, self.b, scale.repeat_interleave(self.rank, -1))
