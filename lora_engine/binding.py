@@ -76,28 +76,34 @@ class Piece:
 
 @dataclass
 class ModulePlan:
-    """One layer's pieces from one adapter. `bind` adds every piece before anything reads `low_rank` or `rank`,
-    which are computed once: activation reads them for every layer."""
+    """One layer's pieces from one adapter, all of them: `low_rank`, `rank` and `full_rank` are computed once, at
+    construction, and read by activation for every layer."""
 
     name: str
     module: nn.Module
     geometry: Geometry
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[Piece]
     path: str | None = None  # the adapter's file, for errors
+    checked: set[torch.dtype] = field(default_factory=set, repr=False)  # dtypes `check_factors` passed
+    low_rank: bool = field(init=False)  # every piece runs as two small matrix products
+    rank: int = field(init=False)  # the rows of a slot the pieces fill (0 unless low_rank)
+    full_rank: int = field(init=False)  # the rank of the one piece that covers the whole layer; 0 where several,
+    # or a slice: a slot of exactly this rank is filled by `write_factors`, every row of it
 
-    @functools.cached_property
-    def low_rank(self) -> bool:
-        return self.geometry.low_rank_ok and all(p.patch.runtime_low_rank or p.patch.weight is None
-                                                 for p in self.pieces)
-
-    @functools.cached_property
-    def rank(self) -> int:
-        return sum(p.patch.weight.rank for p in self.pieces if p.patch.weight is not None) if self.low_rank else 0
+    def __post_init__(self):
+        parts = [p for p in self.pieces if p.patch.weight is not None]
+        self.low_rank = self.geometry.low_rank_ok and all(p.patch.runtime_low_rank for p in parts)
+        self.rank = sum(p.patch.weight.rank for p in parts) if self.low_rank else 0
+        whole = len(parts) == 1 and parts[0].out_slice is None
+        self.full_rank = parts[0].patch.weight.rank if whole and self.low_rank else 0
 
     def check_factors(self, dtype: torch.dtype) -> None:
         """Raise before any slot is written when A or s·B would overflow `dtype`. The reader has checked
         that every stored tensor is finite, so only a cast into a narrower range or the scale can overflow;
-        the maxima are read only where the dtypes' ranges leave that possible."""
+        the maxima are read only where the dtypes' ranges leave that possible. A plan passes once per dtype:
+        its factors do not change."""
+        if dtype in self.checked:
+            return
         limit = _max(dtype)
 
         def overflows(t: torch.Tensor, scale: float) -> bool:
@@ -108,17 +114,13 @@ class ModulePlan:
             if w is not None and (overflows(w.down, 1.0) or overflows(w.up, abs(w.scale))):
                 raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
                                      remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
+        self.checked.add(dtype)
 
-    def fills(self, rank: int) -> bool:
-        """Whether `write_factors` writes every row of a slot of `rank` rows: one piece over the whole layer."""
-        parts = [p for p in self.pieces if p.patch.weight is not None]
-        return len(parts) == 1 and parts[0].out_slice is None and parts[0].patch.weight.rank == rank
-
-    def write_factors(self, a: torch.Tensor, b: torch.Tensor, lo: int) -> int:
-        """A into rows lo… of `a` [N·R, in, *k] and s·B into columns lo… of `b` [out, N·R] (one slot; the rows
-        no piece writes stay as they are), copied from the adapter's tensors without staging; returns the bytes
-        written. Called for every layer of every newcomer: it slices each buffer once."""
-        at, nbytes = lo, 0
+    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: SlotCopies) -> None:
+        """A into the first rows of `a` [R, in, *k] and s·B into the first columns of `b` [out, R], one slot's
+        rows of the layer's buffers (the rows no piece writes stay as they are): copies from the adapter's
+        tensors, without staging, added to `copies`, which makes them."""
+        at = 0
         for p in self.pieces:
             w = p.patch.weight
             if w is None:
@@ -126,19 +128,18 @@ class ModulePlan:
             r, down = w.rank, w.down
             if down.shape[1:] != a.shape[1:]:
                 down = down.reshape(r, *a.shape[1:])
-            a.narrow(0, at, r).copy_(down, non_blocking=True)
-            dst_b = b.narrow(1, at, r) if p.out_slice is None else b[p.out_slice[0]:sum(p.out_slice), at:at + r]
+            whole = r == a.shape[0]
+            copies.add(a if whole else a.narrow(0, at, r), down)
+            if p.out_slice is not None:
+                dst_b = b[p.out_slice[0]:sum(p.out_slice), at:at + r]
+            else:
+                dst_b = b if whole else b.narrow(1, at, r)
             up = p.order(w.up)
             if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
-                # an exact copy, then one rounding of s·B
-                dst_b.copy_(up, non_blocking=True)
-                if w.scale != 1.0:
-                    dst_b.mul_(w.scale)
+                copies.add(dst_b, up, w.scale)  # an exact copy, then one rounding of s·B
             else:  # s·B in fp32, rounded once into the narrower dtype
-                dst_b.copy_(up.float() * w.scale)
+                copies.add(dst_b, up.float() * w.scale)
             at += r
-            nbytes += (down.numel() + up.numel()) * a.element_size()
-        return nbytes
 
     def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
         """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed; None when no piece has a weight."""
@@ -175,6 +176,35 @@ class ModulePlan:
                 total = torch.zeros(g.out_features, dtype=torch.float32)
             total[start:start + size] += p.order(p.patch.bias.float().reshape(-1))
         return total
+
+
+class SlotCopies:
+    """The copies that write adapters into slot rows, gathered over every layer and made in two calls, one for the
+    copies and one for the scalings of B, instead of two or three calls per layer: activating an adapter costs
+    a fixed amount per layer, which deep models multiply."""
+
+    def __init__(self):
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.scaled: list[torch.Tensor] = []
+        self.scales: list[float] = []
+        self.nbytes = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
+        self.dst.append(dst)
+        self.src.append(src)
+        self.nbytes += dst.numel() * dst.element_size()
+        if scale != 1.0:
+            self.scaled.append(dst)
+            self.scales.append(scale)
+
+    def run(self) -> int:
+        """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
+        if self.scaled:
+            torch._foreach_mul_(self.scaled, self.scales)
+        return self.nbytes
 
 
 @dataclass(frozen=True)
@@ -224,19 +254,21 @@ class Binding:
 
 def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Binding:
     model_name = model_name or type(keymap.root).__name__
-    plans: dict[str, ModulePlan] = {}
+    pieces: dict[str, list[Piece]] = {}
+    geometry: dict[str, Geometry] = {}
     unmatched: list[str] = []
     for prefix, patch in adapter.layers.items():
         target = keymap.resolve(prefix)
         if target is None:
             unmatched.append(prefix)
             continue
-        module = keymap.modules[target.module]
-        plan = plans.get(target.module)
-        if plan is None:
-            plan = plans[target.module] = ModulePlan(target.module, module, Geometry.of(module), path=adapter.path)
-        _check(adapter, plan, patch, target.out_slice)
-        plan.pieces.append(Piece(patch, target.out_slice, target.rows))
+        g = geometry.get(target.module)
+        if g is None:
+            g = geometry[target.module] = Geometry.of(keymap.modules[target.module])
+        _check(adapter, target.module, g, patch, target.out_slice)
+        pieces.setdefault(target.module, []).append(Piece(patch, target.out_slice, target.rows))
+    plans = {name: ModulePlan(name, keymap.modules[name], geometry[name], ps, adapter.path)
+             for name, ps in pieces.items()}
     if not plans:
         raise LoRANoMatchError(f"the adapter matches no layer of {model_name} ({len(adapter.layers)} layer keys, "
                                f"e.g. {', '.join(list(adapter.layers)[:3])})", path=adapter.path,
@@ -247,25 +279,24 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
     return Binding(adapter, plans, report)
 
 
-def _check(adapter: Adapter, plan: ModulePlan, patch: LayerPatch, out_slice: tuple[int, int] | None) -> None:
-    g = plan.geometry
+def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slice: tuple[int, int] | None) -> None:
     size = out_slice[1] if out_slice else g.out_features
     if out_slice and out_slice[0] + out_slice[1] > g.out_features:
-        raise LoRAShapeError(f"slice {out_slice!r} exceeds layer {plan.name!r} with {g.out_features} outputs",
+        raise LoRAShapeError(f"slice {out_slice!r} exceeds layer {name!r} with {g.out_features} outputs",
                              path=adapter.path, key=patch.key)
     w = patch.weight
     if w is not None and hasattr(w, "down"):
         want_in = tuple(g.weight_shape[1:])
         got_in = tuple(w.down.shape[1:])
-        flat_ok = w.down[0].numel() == torch.Size(want_in).numel()
+        flat_ok = math.prod(got_in) == math.prod(want_in)
         if (got_in != want_in and not flat_ok) or w.up.shape[0] != size:
             raise LoRAShapeError(f"factors down {tuple(w.down.shape)!r} / up {tuple(w.up.shape)!r} do not fit "
-                                 f"layer {plan.name!r} (weight {tuple(g.weight_shape)!r}"
+                                 f"layer {name!r} (weight {tuple(g.weight_shape)!r}"
                                  f"{', output slice ' + repr(out_slice) if out_slice else ''})",
                                  path=adapter.path, key=patch.key,
                                  remedy="the LoRA was trained for another model or model size")
     if patch.bias is not None and patch.bias.numel() != size:
-        raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {plan.name!r} with "
+        raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {name!r} with "
                              f"{size} outputs", path=adapter.path, key=patch.key)
     if w is not None and not hasattr(w, "down"):
         # Checked from shapes before anything is materialised: LoHa and LoKr factors of a few KB can
@@ -274,7 +305,7 @@ def _check(adapter: Adapter, plan: ModulePlan, patch: LayerPatch, out_slice: tup
         got = _dense_numel(w)
         if got != numel:
             what = f"patch of {got} elements" if got is not None else "patch whose factors do not combine"
-            raise LoRAShapeError(f"{what} does not fit layer {plan.name!r} "
+            raise LoRAShapeError(f"{what} does not fit layer {name!r} "
                                  f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
                                  remedy="the adapter was trained for another model or model size")
 

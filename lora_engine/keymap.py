@@ -40,6 +40,8 @@ class Target:
 
 
 class KeyMap:
+    RESOLVED_KEPT = 1 << 16  # default resolutions remembered; adapters for one model share their keys
+
     def __init__(self, root: nn.Module, mapping: Mapping[str, object] | None = None, *,
                  defaults: bool = True, module_prefix: str = ""):
         self.root = root
@@ -48,6 +50,7 @@ class KeyMap:
         self._modules: dict[str, nn.Module] | None = None
         self._underscore: dict[str, str] | None = None
         self._explicit: dict[str, Target | None] = {}
+        self._resolved: dict[str, Target | None] = {}
         for prefix, value in (mapping or {}).items():
             self._explicit[prefix] = self._normalise(value)
 
@@ -97,7 +100,11 @@ class KeyMap:
             return target
         if not self._defaults:
             return None
-        return self._default(prefix)
+        if prefix not in self._resolved:
+            if len(self._resolved) >= self.RESOLVED_KEPT:
+                self._resolved.clear()
+            self._resolved[prefix] = self._default(prefix)
+        return self._resolved[prefix]
 
     def _default(self, prefix: str) -> Target | None:
         mods = self.modules

@@ -42,6 +42,7 @@ class LayerSlots:
         self.rank = 0
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each slot's rows of a and b (`slot`)
         self.lr_used: set[int] = set()
         self.dirty: set[int] = set()  # slots no adapter holds whose rows may not be zero yet (see `scrub`)
         self.dense: dict[int, torch.Tensor] = {}
@@ -135,7 +136,8 @@ class LayerSlots:
                 a[i * rank:i * rank + self.rank] = self.a[i * self.rank:(i + 1) * self.rank]
                 b[:, i * rank:i * rank + self.rank] = self.b[:, i * self.rank:(i + 1) * self.rank]
         self.dirty = set(range(self.n)) - self.lr_used if first else set()
-        self.a, self.b, self.rank = a, b, rank
+        self.rank = rank
+        self._buffers(a, b)
         self.bank.reallocations += 1
 
     def resize(self, n: int) -> None:
@@ -145,7 +147,7 @@ class LayerSlots:
         if self.a is not None:
             rows, held = n * self.rank, self.a.shape[0]
             if rows <= held:
-                self.a, self.b = self.a[:rows], self.b[:, :rows]
+                self._buffers(self.a[:rows], self.b[:, :rows])
             else:
                 a = torch.empty((rows, *self.a.shape[1:]), dtype=self.dtype, device=self.a.device)
                 b = torch.empty((self.b.shape[0], rows), dtype=self.dtype, device=self.b.device)
@@ -153,7 +155,7 @@ class LayerSlots:
                 a[held:].zero_()
                 b[:, :held].copy_(self.b)
                 b[:, held:].zero_()
-                self.a, self.b = a, b
+                self._buffers(a, b)
                 self.bank.reallocations += 1
             if self.rows is not None:
                 self.rows = self.rows.to(self)  # its views would keep the old buffers alive
@@ -163,7 +165,7 @@ class LayerSlots:
         """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills
         every row."""
         if slot in self.dirty:
-            if not plan.fills(self.rank):
+            if plan.full_rank != self.rank:
                 self._zero(slot)
             self.dirty.discard(slot)
 
@@ -174,8 +176,19 @@ class LayerSlots:
         self.dirty.clear()
 
     def _zero(self, slot: int) -> None:
-        self.a[slot * self.rank:(slot + 1) * self.rank].zero_()
-        self.b[:, slot * self.rank:(slot + 1) * self.rank].zero_()
+        a, b = self.slot(slot)
+        a.zero_()
+        b.zero_()
+
+    def slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot `slot`'s rows of A [R, in, *k] and columns of B [out, R]: views, sliced once per buffer."""
+        if self.views is None:
+            r = self.rank
+            self.views = [(self.a.narrow(0, i * r, r), self.b.narrow(1, i * r, r)) for i in range(self.n)]
+        return self.views[slot]
+
+    def _buffers(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b, self.views = a, b, None
 
     def clear(self, slot: int) -> None:
         """Free the slot; its rows are zeroed by `scrub`, unless a newcomer overwrites them first."""
@@ -188,7 +201,7 @@ class LayerSlots:
 
     def to(self, device: torch.device) -> None:
         if self.a is not None:
-            self.a, self.b = self.a.to(device), self.b.to(device)
+            self._buffers(self.a.to(device), self.b.to(device))
         self.dense = {k: v.to(device) for k, v in self.dense.items()}
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
         if self.factor is not None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .adapter import Adapter
-from .binding import Binding, MatchReport, bind
+from .binding import Binding, MatchReport, SlotCopies, bind
 from .errors import LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError
 from .keymap import KeyMap
 from .layer import LayerSlots, Rows
@@ -348,7 +348,7 @@ class SlotBank:
         return staged
 
     def _write(self, slot: int, b: Binding, staged: dict[str, tuple]) -> int:
-        nbytes = 0
+        copies, nbytes = SlotCopies(), 0
         for name, (kind, payload, bias) in staged.items():
             layer = self.layers.get(name)
             if layer is None:
@@ -359,14 +359,14 @@ class SlotBank:
                 layer.prepare(slot, payload)
                 layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
                 layer.ranks[slot] = r
-                nbytes += payload.write_factors(layer.a, layer.b, slot * layer.rank)
+                payload.write_factors(*layer.slot(slot), copies)
             elif kind == "dense" and payload is not None:
                 layer.dense[slot] = payload.to(device=self.device, dtype=self.dtype, non_blocking=True)
                 nbytes += payload.numel() * layer.dense[slot].element_size()
             if bias is not None:
                 layer.bias[slot] = bias.to(device=self.device, dtype=self.dtype, non_blocking=True)
                 nbytes += bias.numel() * layer.bias[slot].element_size()
-        return nbytes
+        return nbytes + copies.run()
 
     def _abandon(self, previous: list[Adapter | None]) -> None:
         """After a write failed (out of memory, an interrupt): every slot whose adapter changed goes to strength
