@@ -45,6 +45,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lora_engine import AdapterCache, SlotBank  # noqa: E402  (after the sys.path line)
+from lora_engine.adapter import _pack, _pow2  # noqa: E402
 from lora_engine.layer import Rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -305,6 +306,25 @@ def grow_line(model, adapters, k: int, device, dtype, rounds: int = 3) -> str:
             f"a new bank {new:.1f} ms ({k + 1} copied): {grown / new:.2f}x")
 
 
+def pinned_line(adapter) -> str:
+    """Host bytes one adapter takes pinned: packed into buffers as loading does on a CUDA machine, against one
+    pinned buffer per tensor. Both follow PyTorch's pinned allocator, which rounds each request up to a power of
+    two; counted from the requested sizes (meta tensors), so this line needs no GPU."""
+    tensors = [t for lp in adapter.layers.values() for t in lp.tensors()]
+    sizes = []
+
+    def allocate(n):
+        sizes.append(n)
+        return torch.empty(n, dtype=torch.uint8, device="meta")
+
+    _pack([t.to("meta") for t in tensors], allocate)
+    raw = sum(t.numel() * t.element_size() for t in tensors)
+    per_tensor = sum(_pow2(t.numel() * t.element_size()) for t in tensors)
+    return (f"\npinned host memory for one adapter of {raw / 2**20:.1f} MB ({len(tensors)} tensors): packed "
+            f"{sum(sizes) / 2**20:.1f} MB in {len(sizes)} buffers ({sum(sizes) / raw:.3f}x), one buffer per tensor "
+            f"{per_tensor / 2**20:.1f} MB ({per_tensor / raw:.3f}x)")
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -371,6 +391,7 @@ def main() -> None:
     if args.grid:
         print(per_item_line(model, adapters[:min(4, len(adapters))], args.grid, args.grid_tokens, device, dtype,
                             args.repeat))
+    print(pinned_line(adapters[0]))
     print(f"\ncache: {cache.stats()}")
     print(f"machine after: {machine_line()}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from .errors import LoRAFileError, LoRAFormatError
 from .formats import parse_tensors
 from .patches import LayerPatch
 from .reader import read_tensors
+
+log = logging.getLogger("lora_engine")
 
 Converter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -92,11 +95,29 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
                    layers=parsed.layers, formats=parsed.formats, leftover=parsed.leftover, metadata=metadata)
 
 
-def _pin(layers: dict[str, LayerPatch]) -> None:
+PIN_CHUNK = 1 << 24  # bytes per pinned buffer (a power of two), unless one tensor is larger
+PIN_ALIGN = 64  # bytes: each tensor starts on a cache line
+
+
+def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+    """Move the adapters' tensors into pinned host memory, so that slot writes copy them to the device without
+    blocking. PyTorch's pinned allocator rounds every request up to a power of two, so pinning each tensor on its
+    own would hold a third more than the adapter's bytes for the usual shapes (a 196,608-byte factor takes
+    262,144); the tensors are packed instead into a few buffers of `PIN_CHUNK` bytes, the last one sized to
+    what it holds. `allocate(nbytes)` makes one uint8 buffer (default: pinned). Where pinning fails (pinned
+    memory exhausted), the adapter stays where it is, and its copies to the device block."""
     import dataclasses
 
+    allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    tensors = {id(t): t for lp in layers.values() for t in lp.tensors() if t.numel() and not t.is_pinned()}
+    try:
+        moved = _pack(list(tensors.values()), allocate)
+    except RuntimeError as e:  # pinned memory exhausted or refused: the copies to the device block, nothing else
+        log.warning("lora_engine: the adapter stays in pageable memory, pinning failed: %s", str(e).split("\n")[0])
+        return
+
     def pinned(t):
-        return t.pin_memory() if t is not None and not t.is_pinned() else t
+        return None if t is None else moved.get(id(t), t)
 
     for lp in layers.values():
         if lp.weight is not None:
@@ -105,3 +126,35 @@ def _pin(layers: dict[str, LayerPatch]) -> None:
                 if isinstance(getattr(lp.weight, f.name), torch.Tensor)})
         lp.bias = pinned(lp.bias)
         lp.dora_scale = pinned(lp.dora_scale)
+
+
+def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Copies of `tensors` in as few buffers from `allocate` as a power-of-two size allows: largest first, each
+    buffer filled before the next is made; returns id(original) -> copy."""
+    def size(t: torch.Tensor) -> int:
+        return -(-t.numel() * t.element_size() // PIN_ALIGN) * PIN_ALIGN
+
+    order = sorted(tensors, key=size, reverse=True)
+    if not order:
+        return {}
+    cap = max(PIN_CHUNK, _pow2(size(order[0])))
+    bins: list[list[tuple[torch.Tensor, int]]] = []  # per buffer: (tensor, byte offset)
+    used = cap
+    for t in order:
+        if used + size(t) > cap:
+            bins.append([])
+            used = 0
+        bins[-1].append((t, used))
+        used += size(t)
+    moved = {}
+    for placed in bins:
+        buffer = allocate(cap if placed is not bins[-1] else _pow2(used))
+        for t, at in placed:
+            copy = buffer[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            moved[id(t)] = copy
+    return moved
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -478,3 +478,61 @@ def test_unfilled_and_released_rows_never_reach_a_forward(tmp_path, monkeypatch)
         assert torch.isfinite(got).all() and torch.allclose(got, ref, atol=TOL)
         assert torch.allclose(every, ref, atol=TOL)
         assert all(not layer.dirty for layer in bank.layers.values())
+
+
+def test_pinning_packs_an_adapter_into_a_few_power_of_two_buffers(tmp_path, monkeypatch):
+    """Pinned host memory comes from an allocator that rounds each request up to a power of two. Pinning packs an
+    adapter's tensors into a few such buffers instead of one per tensor: every copy is exact, of the same dtype
+    and shape, lies in one of the buffers, and the adapter computes what it computed unpinned; for factors of
+    hundreds of bytes the buffers hold fewer bytes than a power of two per tensor would."""
+    import lora_engine.adapter as adapter_module
+    model = lf.tiny()
+    x = lf.tiny_input()
+    files = [lf.lora_tensors(model, "kohya", 3, rank=5), lf.loha_tensors(model, 4), lf.diff_tensors(model, 5),
+             lf.dora_tensors(model, 6)]
+    adapters = [load_adapter(lf.write(tmp_path, f"p{i}.safetensors", t), pin=False) for i, t in enumerate(files)]
+    for a in adapters:
+        want = solo([(a, 0.7)], x)
+        before = {k: [t.clone() for t in lp.tensors()] for k, lp in a.layers.items()}
+        buffers = []
+
+        def allocate(n):
+            buffers.append(torch.empty(n, dtype=torch.uint8))
+            return buffers[-1]
+
+        monkeypatch.setattr(adapter_module, "PIN_CHUNK", 1024)  # several buffers from a tiny adapter
+        adapter_module._pin(a.layers, allocate)
+        sizes = [b.numel() for b in buffers]
+        assert all(n & (n - 1) == 0 for n in sizes) and len(sizes) > 1, (a.name, sizes)
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
+        for k, lp in a.layers.items():
+            for old, new in zip(before[k], lp.tensors(), strict=True):
+                assert new.dtype == old.dtype and new.shape == old.shape and torch.equal(new, old), (a.name, k)
+                assert any(lo <= new.data_ptr() < hi for lo, hi in spans), (a.name, k)
+        if a is adapters[0]:  # factors of hundreds of bytes; the LoHa's here are smaller than the alignment
+            per_tensor = sum(adapter_module._pow2(t.numel() * t.element_size()) for lp in a.layers.values()
+                             for t in lp.tensors())
+            assert sum(sizes) < per_tensor, (a.name, sizes, per_tensor)
+        assert torch.equal(solo([(a, 0.7)], x), want), a.name
+
+
+def test_an_adapter_that_cannot_be_pinned_stays_in_pageable_memory(tmp_path, caplog, monkeypatch):
+    """Pinned memory can run out: the adapter then keeps its tensors, unchanged, and says so in the log."""
+    import lora_engine.adapter as adapter_module
+    model = lf.tiny()
+    a = load_adapter(lf.write(tmp_path, "p.safetensors", lf.lora_tensors(model, "kohya", 3)), pin=False)
+    before = {k: lp.tensors() for k, lp in a.layers.items()}
+    calls = []
+
+    def allocate(n):
+        calls.append(n)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA error: out of memory (simulated)\nmore lines")
+        return torch.empty(n, dtype=torch.uint8)
+
+    monkeypatch.setattr(adapter_module, "PIN_CHUNK", 1024)  # two buffers: the second one fails
+    with caplog.at_level("WARNING", logger="lora_engine"):
+        adapter_module._pin(a.layers, allocate)
+    assert len(calls) == 2
+    assert all(all(n is o for n, o in zip(lp.tensors(), before[k], strict=True)) for k, lp in a.layers.items())
+    assert "pinning failed: CUDA error: out of memory (simulated)" in caplog.text
