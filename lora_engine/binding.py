@@ -137,8 +137,8 @@ class ModulePlan:
             up = p.order(w.up)
             if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
                 copies.add(dst_b, up, w.scale)  # an exact copy, then one rounding of s·B
-            else:  # s·B in fp32, rounded once into the narrower dtype
-                copies.add(dst_b, up.float() * w.scale)
+            else:
+                copies.add_rounded(dst_b, up, w.scale)
             at += r
 
     def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -181,13 +181,15 @@ class ModulePlan:
 class SlotCopies:
     """The copies that write adapters into slot rows, gathered over every layer and made in two calls, one for the
     copies and one for the scalings of B, instead of two or three calls per layer: activating an adapter costs
-    a fixed amount per layer, which deep models multiply."""
+    a fixed amount per layer, which deep models multiply. Where the slots' dtype is narrower than, or other than,
+    the stored one, s·B is computed in fp32 on the slots' device and rounded once (`add_rounded`)."""
 
     def __init__(self):
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []
         self.scaled: list[torch.Tensor] = []
         self.scales: list[float] = []
+        self.rounded: list[tuple[torch.Tensor, torch.Tensor, float]] = []
         self.nbytes = 0
 
     def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
@@ -198,12 +200,18 @@ class SlotCopies:
             self.scaled.append(dst)
             self.scales.append(scale)
 
+    def add_rounded(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+        self.rounded.append((dst, src, scale))
+        self.nbytes += dst.numel() * dst.element_size()
+
     def run(self) -> int:
         """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
         if self.dst:
             torch._foreach_copy_(self.dst, self.src, non_blocking=True)
         if self.scaled:
             torch._foreach_mul_(self.scaled, self.scales)
+        for dst, src, scale in self.rounded:  # moved as stored, then multiplied on the device, not on the host
+            dst.copy_(src.to(dst.device, non_blocking=True).float() * scale)
         return self.nbytes
 
 

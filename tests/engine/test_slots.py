@@ -186,6 +186,24 @@ def test_half_precision_model(adapters):
     assert (got - ref).abs().max() < 5e-2
 
 
+@pytest.mark.parametrize("model_dtype,file_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+                                                     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_slots_hold_the_factors_rounded_once(tmp_path, model_dtype, file_dtype):
+    """A is copied into the slot; s·B is computed in fp32 and rounded once into the model's dtype, whichever
+    dtype the file stores (alpha 3 over rank 2: a scale that is not a power of two)."""
+    model = lf.tiny().to(model_dtype)
+    tensors = {k: v.to(file_dtype) if v.dim() > 0 else v
+               for k, v in lf.lora_tensors(lf.tiny(), "kohya", 5, rank=2, alpha=3.0).items()}
+    adapter = load_adapter(lf.write(tmp_path, "r.safetensors", tensors), pin=False)
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(adapter, 1.0)])
+    for name, layer in bank.layers.items():
+        w = bank.binding(adapter).plans[name].pieces[0].patch.weight
+        a, b = layer.slot(bank.slots.index(adapter))
+        assert torch.equal(a.reshape(w.down.shape), w.down.to(model_dtype)), name
+        assert torch.equal(b, (w.up.float() * w.scale).to(model_dtype)), name
+
+
 def test_fixed_slot_rank_keeps_shapes(adapters):
     model = lf.tiny()
     bank = SlotBank(model, max_loras=2, slot_rank=8)
