@@ -141,8 +141,9 @@ class ModulePlan:
                 copies.add_rounded(dst_b, up, w.scale)
             at += r
 
-    def dense(self, base_weight: torch.Tensor | None) -> torch.Tensor | None:
-        """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed; None when no piece has a weight."""
+    def dense(self, base_weight: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
+        """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed, computed on `device` (None: where the
+        factors are); None when no piece has a weight. `base_weight` is read by DoRA pieces only."""
         g = self.geometry
         total = None
         for p in self.pieces:
@@ -154,16 +155,30 @@ class ModulePlan:
                 if p.rows is not None:  # in the file's row order, like the delta it combines with
                     base = base[torch.argsort(torch.tensor(p.rows))]
             try:
-                d = p.patch.dense_delta(shape, base)
+                d = p.patch.dense_delta(shape, base, device)
+            except torch.cuda.OutOfMemoryError:
+                raise
             except (RuntimeError, IndexError) as e:
                 raise LoRAShapeError(f"patch does not fit layer {self.name!r} of shape "
                                      f"{tuple(g.weight_shape)!r}: {e}", path=self.path, key=p.patch.key) from None
             if d is None:
                 continue
             if total is None:
-                total = torch.zeros(g.weight_shape, dtype=torch.float32)
+                total = torch.zeros(g.weight_shape, dtype=torch.float32, device=d.device)
             total[start:start + size] += p.order(d)
         return total
+
+    def bound(self, base_max: float | None = None) -> float | None:
+        """A bound on |ΔW| entries from the factors' maxima, the pieces' bounds added up (`LayerPatch.bound`;
+        `base_max`: the base weight's largest |entry|, for DoRA); None where none is shown."""
+        bounds = [p.patch.bound(base_max) for p in self.pieces]
+        return None if None in bounds else sum(bounds)
+
+    def bounded(self, dtype: torch.dtype, base_max: float | None = None) -> bool:
+        """Whether the bound alone shows ΔW finite in `dtype` (with a margin for fp32 rounding): for any usual
+        file it does."""
+        bound = self.bound(base_max)
+        return bound is not None and bound <= 0.5 * _max(dtype)
 
     def bias(self) -> torch.Tensor | None:
         g = self.geometry

@@ -142,9 +142,9 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
         else:
             base = w.detach().to(torch.float32)
         if name in plans:
-            d = plans[name].dense(base)
+            d = plans[name].dense(base, base.device)  # computed where the weight is
             if d is not None:
-                base = base + strength * d.to(base.device).reshape(base.shape)
+                base = base + strength * d.reshape(base.shape)
         return base
 
     kept: dict[str, torch.Tensor] = {}
@@ -230,5 +230,5 @@ def _fuse_bias(module: nn.Module, plan, strength: float) -> None:
 
 def _delta(adapter: Adapter, keymap: KeyMap, name: str, base: torch.Tensor, model_name: str | None) -> torch.Tensor:
     plan = bind(adapter, keymap, model_name).plans.get(name)
-    d = plan.dense(base) if plan is not None else None
-    return torch.zeros_like(base) if d is None else d.to(base.device).reshape(base.shape)
+    d = plan.dense(base, base.device) if plan is not None else None
+    return torch.zeros_like(base) if d is None else d.reshape(base.shape)

@@ -32,6 +32,26 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
 
 
+def _f32(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """`t` in fp32 on `device` (None: where it is), where a delta is computed."""
+    return t.to(device=device, dtype=torch.float32)
+
+
+def absmax(t: torch.Tensor) -> float:
+    """The largest |value| of `t`, read without an |t| copy (fp8, which has no amax on every device, in fp32)."""
+    if not t.numel():
+        return 0.0
+    if t.is_floating_point() and t.element_size() == 1:
+        t = t.float()
+    return max(abs(float(t.amax())), abs(float(t.amin())))
+
+
+def _product_bound(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | None) -> float:
+    """A bound on |entries| of `_rebuild(a, b, t)`: the terms each entry sums, times the factors' maxima."""
+    terms = _flat(a).shape[1] if t is None else t.shape[0] * t.shape[1]
+    return terms * absmax(a) * absmax(b) * (1.0 if t is None else absmax(t))
+
+
 @dataclass(frozen=True)
 class LowRank:
     down: torch.Tensor  # A: [r, in, *kernel]
@@ -45,18 +65,21 @@ class LowRank:
     def scaled_up(self) -> torch.Tensor:
         return self.up.float() * self.scale
 
-    def delta(self, shape: torch.Size) -> torch.Tensor:
-        return (self.scaled_up() @ _flat(self.down.float())).reshape(shape)
+    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+        return ((_f32(self.up, device) * self.scale) @ _flat(_f32(self.down, device))).reshape(shape)
+
+    def bound(self) -> float:
+        return abs(self.scale) * _product_bound(self.up, self.down, None)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.down, self.up)
 
 
-def _rebuild(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+def _rebuild(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | None, device: torch.device | None) -> torch.Tensor:
     if t is None:
-        return _flat(a.float()) @ _flat(b.float())
+        return _flat(_f32(a, device)) @ _flat(_f32(b, device))
     # Tucker: t [r, r, *k], b [r, in], a [out, r]  ->  [out, in, *k]
-    return torch.einsum("ij...,jr,ip->pr...", t.float(), b.float(), a.float())
+    return torch.einsum("ij...,jr,ip->pr...", _f32(t, device), _f32(b, device), _f32(a, device))
 
 
 @dataclass(frozen=True)
@@ -69,9 +92,13 @@ class LoHa:
     t2: torch.Tensor | None
     scale: float
 
-    def delta(self, shape: torch.Size) -> torch.Tensor:
-        w = _rebuild(self.w1a, self.w1b, self.t1) * _rebuild(self.w2a, self.w2b, self.t2)
+    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+        w = _rebuild(self.w1a, self.w1b, self.t1, device) * _rebuild(self.w2a, self.w2b, self.t2, device)
         return (w * self.scale).reshape(shape)
+
+    def bound(self) -> float:
+        return abs(self.scale) * _product_bound(self.w1a, self.w1b, self.t1) * _product_bound(self.w2a, self.w2b,
+                                                                                               self.t2)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.w1a, self.w1b, self.w2a, self.w2b, self.t1, self.t2) if t is not None)
@@ -88,19 +115,24 @@ class LoKr:
     t2: torch.Tensor | None
     scale: float
 
-    def delta(self, shape: torch.Size) -> torch.Tensor:
-        w1 = self.w1.float() if self.w1 is not None else self.w1a.float() @ self.w1b.float()
+    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+        w1 = _f32(self.w1, device) if self.w1 is not None else _f32(self.w1a, device) @ _f32(self.w1b, device)
         if self.w2 is not None:
-            w2 = self.w2.float()
+            w2 = _f32(self.w2, device)
         elif self.t2 is not None:
-            w2 = torch.einsum("ij...,jr,ip->pr...", self.t2.float(), self.w2b.float(), self.w2a.float())
+            w2 = _rebuild(self.w2a, self.w2b, self.t2, device)
         else:
-            w2 = _flat(self.w2a.float()) @ _flat(self.w2b.float())
+            w2 = _rebuild(self.w2a, self.w2b, None, device)
             if len(shape) > 2:
                 w2 = w2.reshape(w2.shape[0], -1, *shape[2:])
         while w1.dim() < w2.dim():
             w1 = w1.unsqueeze(-1)
         return (torch.kron(w1, w2) * self.scale).reshape(shape)
+
+    def bound(self) -> float:
+        w1 = absmax(self.w1) if self.w1 is not None else _product_bound(self.w1a, self.w1b, None)
+        w2 = absmax(self.w2) if self.w2 is not None else _product_bound(self.w2a, self.w2b, self.t2)
+        return abs(self.scale) * w1 * w2
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         parts = (self.w1, self.w1a, self.w1b, self.w2, self.w2a, self.w2b, self.t2)
@@ -111,8 +143,11 @@ class LoKr:
 class FullDiff:
     diff: torch.Tensor
 
-    def delta(self, shape: torch.Size) -> torch.Tensor:
-        return self.diff.float().reshape(shape)
+    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+        return _f32(self.diff, device).reshape(shape)
+
+    def bound(self) -> float:
+        return absmax(self.diff)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.diff,)
@@ -141,16 +176,31 @@ class LayerPatch:
         extra = tuple(t for t in (self.bias, self.dora_scale) if t is not None)
         return (self.weight.tensors() if self.weight is not None else ()) + extra
 
-    def dense_delta(self, shape: torch.Size, base_weight: torch.Tensor | None) -> torch.Tensor | None:
-        """ΔW in fp32 for strength 1, or None for a bias-only patch."""
+    def dense_delta(self, shape: torch.Size, base_weight: torch.Tensor | None,
+                    device: torch.device | None = None) -> torch.Tensor | None:
+        """ΔW in fp32 for strength 1, computed on `device` (None: the factors' own), or None for a bias-only
+        patch."""
         if self.weight is None:
             return None
-        delta = self.weight.delta(shape)
+        delta = self.weight.delta(shape, device)
         if self.dora_scale is None:
             return delta
         if base_weight is None:
             raise ValueError("DoRA needs the base weight")
-        return dora_delta(base_weight.float(), delta, self.dora_scale.float())
+        return dora_delta(_f32(base_weight, delta.device), delta, _f32(self.dora_scale, delta.device))
+
+    def bound(self, base_max: float | None = None) -> float | None:
+        """A bound on |ΔW| entries from the factors' maxima. DoRA's also needs `base_max`, the largest |entry| of
+        the base weight: each entry of m ⊙ W'/‖W'‖ is at most |m|, so |ΔW_dora| ≤ max|m| + max|W| wherever W' is
+        finite in fp32; None where that is not shown."""
+        if self.weight is None:
+            return 0.0
+        bound = self.weight.bound()
+        if self.dora_scale is None:
+            return bound
+        if base_max is None or bound + base_max > 0.5 * torch.finfo(torch.float32).max:
+            return None
+        return absmax(self.dora_scale) + base_max
 
 
 def dora_delta(w: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
