@@ -103,8 +103,8 @@ def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] 
     """Move the adapters' tensors into pinned host memory, so that slot writes copy them to the device without
     blocking. PyTorch's pinned allocator rounds every request up to a power of two, so pinning each tensor on its
     own would hold a third more than the adapter's bytes for the usual shapes (a 196,608-byte factor takes
-    262,144); the tensors are packed instead into a few buffers of `PIN_CHUNK` bytes, the last one sized to
-    what it holds. `allocate(nbytes)` makes one uint8 buffer (default: pinned). Where pinning fails (pinned
+    262,144); the tensors are packed instead into a few buffers of `PIN_CHUNK` bytes and smaller powers of two
+    for the rest (`_pack`). `allocate(nbytes)` makes one uint8 buffer (default: pinned). Where pinning fails (pinned
     memory exhausted), the adapter stays where it is, and its copies to the device block."""
     import dataclasses
 
@@ -129,30 +129,31 @@ def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] 
 
 
 def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Copies of `tensors` in as few buffers from `allocate` as a power-of-two size allows: largest first, each
-    buffer filled before the next is made; returns id(original) -> copy."""
+    """Copies of `tensors` in buffers from `allocate`, each a power of two of bytes and filled before the next is
+    made: `PIN_CHUNK` while the rest fills one, then the largest power of two the rest fills, so that a 6 MB
+    adapter takes 4 + 2 MB rather than 8. Largest tensors first; returns id(original) -> copy."""
     def size(t: torch.Tensor) -> int:
         return -(-t.numel() * t.element_size() // PIN_ALIGN) * PIN_ALIGN
 
-    order = sorted(tensors, key=size, reverse=True)
-    if not order:
-        return {}
-    cap = max(PIN_CHUNK, _pow2(size(order[0])))
-    bins: list[list[tuple[torch.Tensor, int]]] = []  # per buffer: (tensor, byte offset)
-    used = cap
-    for t in order:
-        if used + size(t) > cap:
-            bins.append([])
-            used = 0
-        bins[-1].append((t, used))
-        used += size(t)
+    left = sorted(tensors, key=size, reverse=True)
+    chunk = max(PIN_CHUNK, _pow2(size(left[0]))) if left else 0
     moved = {}
-    for placed in bins:
-        buffer = allocate(cap if placed is not bins[-1] else _pow2(used))
+    while left:
+        rest = sum(size(t) for t in left)
+        cap = max(_pow2(size(left[0])), min(chunk, 1 << (rest.bit_length() - 1)))
+        placed, kept, used = [], [], 0
+        for t in left:
+            if used + size(t) <= cap:
+                placed.append((t, used))
+                used += size(t)
+            else:
+                kept.append(t)
+        buffer = allocate(_pow2(used))
         for t, at in placed:
             copy = buffer[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             copy.copy_(t)
             moved[id(t)] = copy
+        left = kept
     return moved
 
 
