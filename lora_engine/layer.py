@@ -42,7 +42,7 @@ class LayerSlots:
         self.rank = 0
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each slot's rows of a and b (`slot`)
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # each slot's rows (`slot`)
         self.lr_used: set[int] = set()
         self.dirty: set[int] = set()  # slots no adapter holds whose rows may not be zero yet (see `scrub`)
         self.dense: dict[int, torch.Tensor] = {}
@@ -183,9 +183,12 @@ class LayerSlots:
     def slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot `slot`'s rows of A [R, in, *k] and columns of B [out, R]: views, sliced once per buffer."""
         if self.views is None:
+            self.views = [None] * self.n
+        views = self.views[slot]
+        if views is None:
             r = self.rank
-            self.views = [(self.a.narrow(0, i * r, r), self.b.narrow(1, i * r, r)) for i in range(self.n)]
-        return self.views[slot]
+            views = self.views[slot] = (self.a.narrow(0, slot * r, r), self.b.narrow(1, slot * r, r))
+        return views
 
     def _buffers(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.a, self.b, self.views = a, b, None
