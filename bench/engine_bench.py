@@ -306,23 +306,34 @@ def grow_line(model, adapters, k: int, device, dtype, rounds: int = 3) -> str:
             f"a new bank {new:.1f} ms ({k + 1} copied): {grown / new:.2f}x")
 
 
-def pinned_line(adapter) -> str:
-    """Host bytes one adapter takes pinned: packed into buffers as loading does on a CUDA machine, against one
-    pinned buffer per tensor. Both follow PyTorch's pinned allocator, which rounds each request up to a power of
-    two; counted from the requested sizes (meta tensors), so this line needs no GPU."""
-    tensors = [t for lp in adapter.layers.values() for t in lp.tensors()]
-    sizes = []
+FLUX_DEV_LINEARS = (  # (out, in) of each block Linear of Flux-dev: 19 double blocks (image and text side), 38 single
+    [(9216, 3072), (3072, 3072), (12288, 3072), (3072, 12288), (18432, 3072)] * 2 * 19
+    + [(21504, 3072), (3072, 15360), (9216, 3072)] * 38)
 
-    def allocate(n):
-        sizes.append(n)
-        return torch.empty(n, dtype=torch.uint8, device="meta")
 
-    _pack([t.to("meta") for t in tensors], allocate)
-    raw = sum(t.numel() * t.element_size() for t in tensors)
-    per_tensor = sum(_pow2(t.numel() * t.element_size()) for t in tensors)
-    return (f"\npinned host memory for one adapter of {raw / 2**20:.1f} MB ({len(tensors)} tensors): packed "
-            f"{sum(sizes) / 2**20:.1f} MB in {len(sizes)} buffers ({sum(sizes) / raw:.3f}x), one buffer per tensor "
-            f"{per_tensor / 2**20:.1f} MB ({per_tensor / raw:.3f}x)")
+def pinned_lines(adapter, rank: int) -> str:
+    """Host bytes an adapter takes pinned: packed into buffers as loading does on a CUDA machine, against one pinned
+    buffer per tensor. Both follow PyTorch's pinned allocator, which rounds each request up to a power of two;
+    counted from the requested sizes (meta tensors), so these lines need no GPU. For this run's adapter, and for
+    a Flux-dev LoRA of the same rank on every block Linear."""
+    flux = [torch.empty(*s, dtype=torch.bfloat16, device="meta")
+            for o, i in FLUX_DEV_LINEARS for s in ((rank, i), (o, rank))]
+    ours = [t.to("meta") for lp in adapter.layers.values() for t in lp.tensors()]
+    lines = []
+    for label, tensors in (("this run's adapter", ours), (f"a Flux-dev rank-{rank} LoRA (bf16)", flux)):
+        sizes = []
+
+        def allocate(n):
+            sizes.append(n)
+            return torch.empty(n, dtype=torch.uint8, device="meta")
+
+        _pack(tensors, allocate)
+        raw = sum(t.numel() * t.element_size() for t in tensors)
+        per_tensor = sum(_pow2(t.numel() * t.element_size()) for t in tensors)
+        lines.append(f"pinned host memory, {label}: {raw / 2**20:.1f} MB in {len(tensors)} tensors; packed "
+                     f"{sum(sizes) / 2**20:.1f} MB in {len(sizes)} buffers ({sum(sizes) / raw:.3f}x), one buffer "
+                     f"per tensor {per_tensor / 2**20:.1f} MB ({per_tensor / raw:.3f}x)")
+    return "\n" + "\n".join(lines)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -391,7 +402,7 @@ def main() -> None:
     if args.grid:
         print(per_item_line(model, adapters[:min(4, len(adapters))], args.grid, args.grid_tokens, device, dtype,
                             args.repeat))
-    print(pinned_line(adapters[0]))
+    print(pinned_lines(adapters[0], args.rank))
     print(f"\ncache: {cache.stats()}")
     print(f"machine after: {machine_line()}")
 
