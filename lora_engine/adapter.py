@@ -100,7 +100,7 @@ PIN_ALIGN = 64  # bytes: each tensor starts on a cache line
 
 
 def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] | None = None) -> None:
-    """Move the adapters' tensors into pinned host memory, so that slot writes copy them to the device without
+    """Move the adapter's tensors into pinned host memory, so that slot writes copy them to the device without
     blocking. PyTorch's pinned allocator rounds every request up to a power of two, so pinning each tensor on its
     own would hold a third more than the adapter's bytes for the usual shapes (a 196,608-byte factor takes
     262,144); the tensors are packed instead into a few buffers of `PIN_CHUNK` bytes and smaller powers of two
