@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap
 from .patches import LayerPatch, LoHa, LoKr
+
+if TYPE_CHECKING:
+    from .writes import SlotCopies
 
 
 @dataclass(frozen=True)
@@ -191,43 +195,6 @@ class ModulePlan:
                 total = torch.zeros(g.out_features, dtype=torch.float32)
             total[start:start + size] += p.order(p.patch.bias.float().reshape(-1))
         return total
-
-
-class SlotCopies:
-    """The copies that write adapters into slot rows, gathered over every layer and made in two calls, one for the
-    copies and one for the scalings of B, instead of two or three calls per layer: activating an adapter costs
-    a fixed amount per layer, which deep models multiply. Where the slots' dtype is narrower than, or other than,
-    the stored one, s·B is computed in fp32 on the slots' device and rounded once (`add_rounded`)."""
-
-    def __init__(self):
-        self.dst: list[torch.Tensor] = []
-        self.src: list[torch.Tensor] = []
-        self.scaled: list[torch.Tensor] = []
-        self.scales: list[float] = []
-        self.rounded: list[tuple[torch.Tensor, torch.Tensor, float]] = []
-        self.nbytes = 0
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
-        self.dst.append(dst)
-        self.src.append(src)
-        self.nbytes += dst.numel() * dst.element_size()
-        if scale != 1.0:
-            self.scaled.append(dst)
-            self.scales.append(scale)
-
-    def add_rounded(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-        self.rounded.append((dst, src, scale))
-        self.nbytes += dst.numel() * dst.element_size()
-
-    def run(self) -> int:
-        """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
-        if self.dst:
-            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
-        if self.scaled:
-            torch._foreach_mul_(self.scaled, self.scales)
-        for dst, src, scale in self.rounded:  # moved as stored, then multiplied on the device, not on the host
-            dst.copy_(src.to(dst.device, non_blocking=True).float() * scale)
-        return self.nbytes
 
 
 @dataclass(frozen=True)

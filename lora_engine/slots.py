@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import writes
 from .adapter import Adapter
-from .binding import Binding, MatchReport, ModulePlan, SlotCopies, bind
+from .binding import Binding, MatchReport, bind
 from .errors import LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError
 from .keymap import KeyMap
 from .layer import LayerSlots, Rows
-from .patches import absmax
 from .schedule import Schedule
 
 Strength = float | Sequence[float] | torch.Tensor
@@ -200,7 +200,7 @@ class SlotBank:
             batch = strengths.shape[0] if strengths.dim() == 2 else None
             _check_items(list(merged.values()), batch)
             bindings = [self.binding(a) for a in wanted]  # raises before any state changes
-            staged = {id(b.adapter): self._stage(b) for b in bindings if not self._resident(b.adapter)}
+            staged = {id(b.adapter): writes.stage(self, b) for b in bindings if not self._resident(b.adapter)}
 
             previous, released = list(self.slots), []
             for i, a in enumerate(self.slots):
@@ -214,7 +214,7 @@ class SlotBank:
                     continue
                 slot = self.slots.index(None)
                 try:
-                    nbytes += self._write(slot, b, staged[id(b.adapter)])
+                    nbytes += writes.write(self, slot, b, staged[id(b.adapter)])
                 except BaseException:
                     self._clear_slot(slot)  # a free slot is zero: the next write adds only its own pieces
                     self._abandon(previous)
@@ -331,66 +331,6 @@ class SlotBank:
             if a is adapter:
                 return i
         raise KeyError(f"{adapter.name!r} is not resident in a slot of {self.model_name}")
-
-    def _stage(self, b: Binding) -> dict[str, tuple]:
-        """Everything a newcomer needs, checked before any slot is touched. A dense-path layer's ΔW is made at
-        the write, one layer at a time, never all of an adapter's at once (for a LoHa on a Flux-sized model that
-        would be the model's size again, in fp32)."""
-        staged = {}
-        for name, plan in b.plans.items():
-            if plan.low_rank:
-                plan.check_factors(self.dtype)
-                staged[name] = ("low-rank", plan if plan.rank else None, plan.bias())
-            else:
-                self._check_dense(plan)
-                staged[name] = ("dense", plan, plan.bias())
-        return staged
-
-    def _check_dense(self, plan: ModulePlan) -> None:
-        """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
-        maxima (and DoRA's from the base weight's) settles it for any usual file; past the bound, ΔW is computed on
-        the bank's device, checked and dropped."""
-        dora = any(p.patch.dora_scale is not None for p in plan.pieces)
-        if plan.bounded(self.dtype, absmax(self.weight_fn(plan.module)) if dora else None):
-            return
-        delta = self._dense(plan)
-        if delta is not None and not bool(torch.isfinite(delta.to(self.dtype)).all()):
-            raise NonFiniteError(f"the dense delta of layer {plan.name!r} is not finite in {self.dtype}",
-                                 path=plan.path, remedy="the adapter's values or alpha overflow the model's dtype; "
-                                 "use another file")
-
-    def _dense(self, plan: ModulePlan) -> torch.Tensor | None:
-        """The layer's ΔW for strength 1, in fp32 on the bank's device (DoRA reads the layer's weight)."""
-        base = self.weight_fn(plan.module) if any(p.patch.dora_scale is not None for p in plan.pieces) else None
-        return plan.dense(base, self.device)
-
-    def _write(self, slot: int, b: Binding, staged: dict[str, tuple]) -> int:
-        copies, nbytes = SlotCopies(), 0
-        for name, (kind, plan, bias) in staged.items():
-            layer = self.layers.get(name)
-            if layer is None:
-                layer = self.layers[name] = LayerSlots(self, name, b.plans[name].module)
-            if kind == "low-rank" and plan is not None:
-                r = plan.rank
-                layer.ensure_rank(max(r, self.slot_rank))
-                layer.prepare(slot, plan)
-                layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
-                layer.ranks[slot] = r
-                plan.write_factors(*layer.slot(slot), copies)
-            elif kind == "dense":
-                nbytes += self._write_dense(layer, slot, plan)
-            if bias is not None:
-                layer.bias[slot] = bias.to(device=self.device, dtype=self.dtype, non_blocking=True)
-                nbytes += bias.numel() * layer.bias[slot].element_size()
-        return nbytes + copies.run()
-
-    def _write_dense(self, layer: LayerSlots, slot: int, plan: ModulePlan) -> int:
-        """ΔW into the slot in the slots' dtype; the fp32 delta is dropped on return, before the next layer's."""
-        delta = self._dense(plan)
-        if delta is None:
-            return 0
-        layer.dense[slot] = delta.to(self.dtype)
-        return delta.numel() * layer.dense[slot].element_size()
 
     def _abandon(self, previous: list[Adapter | None]) -> None:
         """After a write failed (out of memory, an interrupt): every slot whose adapter changed goes to strength

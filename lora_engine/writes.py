@@ -1,0 +1,124 @@
+"""Writing a newcomer into a bank's slots: everything it needs checked before any slot changes (`stage`), then
+each layer written (`write`). Low-rank factors are copied into the slot rows as stored, gathered over the
+layers into two calls (`SlotCopies`); a dense-path layer's ΔW is made on the bank's device at the write, one
+layer at a time, never all of an adapter's at once (for a LoHa on a Flux-sized model that would be the model's
+size again, in fp32)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .binding import Binding, ModulePlan
+from .errors import NonFiniteError
+from .layer import LayerSlots
+from .patches import absmax
+
+if TYPE_CHECKING:
+    from .slots import SlotBank
+
+Staged = dict[str, tuple]  # layer -> ("low-rank", plan or None, bias) or ("dense", plan, bias)
+
+
+def stage(bank: SlotBank, b: Binding) -> Staged:
+    """What `write` needs for each layer of `b`, checked against the bank's dtype: raises before any slot changes
+    when a factor or a dense delta would not be finite in it."""
+    staged = {}
+    for name, plan in b.plans.items():
+        if plan.low_rank:
+            plan.check_factors(bank.dtype)
+            staged[name] = ("low-rank", plan if plan.rank else None, plan.bias())
+        else:
+            _check_dense(bank, plan)
+            staged[name] = ("dense", plan, plan.bias())
+    return staged
+
+
+def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
+    """Write the staged layers of `b` into `slot`, making each layer's slot buffers where it has none; returns the
+    bytes written."""
+    copies, nbytes = SlotCopies(), 0
+    for name, (kind, plan, bias) in staged.items():
+        layer = bank.layers.get(name)
+        if layer is None:
+            layer = bank.layers[name] = LayerSlots(bank, name, b.plans[name].module)
+        if kind == "low-rank" and plan is not None:
+            r = plan.rank
+            layer.ensure_rank(max(r, bank.slot_rank))
+            layer.prepare(slot, plan)
+            layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
+            layer.ranks[slot] = r
+            plan.write_factors(*layer.slot(slot), copies)
+        elif kind == "dense":
+            nbytes += _write_dense(bank, layer, slot, plan)
+        if bias is not None:
+            layer.bias[slot] = bias.to(device=bank.device, dtype=bank.dtype, non_blocking=True)
+            nbytes += bias.numel() * layer.bias[slot].element_size()
+    return nbytes + copies.run()
+
+
+def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
+    """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
+    maxima (and DoRA's from the base weight's) settles it for any usual file; past the bound, ΔW is computed on
+    the bank's device, checked and dropped."""
+    dora = any(p.patch.dora_scale is not None for p in plan.pieces)
+    if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if dora else None):
+        return
+    delta = _dense(bank, plan)
+    if delta is not None and not bool(torch.isfinite(delta.to(bank.dtype)).all()):
+        raise NonFiniteError(f"the dense delta of layer {plan.name!r} is not finite in {bank.dtype}",
+                             path=plan.path, remedy="the adapter's values or alpha overflow the model's dtype; "
+                             "use another file")
+
+
+def _dense(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
+    """The layer's ΔW for strength 1, in fp32 on the bank's device (DoRA reads the layer's weight)."""
+    base = bank.weight_fn(plan.module) if any(p.patch.dora_scale is not None for p in plan.pieces) else None
+    return plan.dense(base, bank.device)
+
+
+def _write_dense(bank: SlotBank, layer: LayerSlots, slot: int, plan: ModulePlan) -> int:
+    """ΔW into the slot in the slots' dtype; the fp32 delta is dropped on return, before the next layer's."""
+    delta = _dense(bank, plan)
+    if delta is None:
+        return 0
+    layer.dense[slot] = delta.to(bank.dtype)
+    return delta.numel() * layer.dense[slot].element_size()
+
+
+class SlotCopies:
+    """The copies that write adapters into slot rows, gathered over every layer and made in two calls, one for the
+    copies and one for the scalings of B, instead of two or three calls per layer: activating an adapter costs
+    a fixed amount per layer, which deep models multiply. Where the slots' dtype is narrower than, or other than,
+    the stored one, s·B is computed in fp32 on the slots' device and rounded once (`add_rounded`)."""
+
+    def __init__(self):
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.scaled: list[torch.Tensor] = []
+        self.scales: list[float] = []
+        self.rounded: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self.nbytes = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
+        self.dst.append(dst)
+        self.src.append(src)
+        self.nbytes += dst.numel() * dst.element_size()
+        if scale != 1.0:
+            self.scaled.append(dst)
+            self.scales.append(scale)
+
+    def add_rounded(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+        self.rounded.append((dst, src, scale))
+        self.nbytes += dst.numel() * dst.element_size()
+
+    def run(self) -> int:
+        """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
+        if self.scaled:
+            torch._foreach_mul_(self.scaled, self.scales)
+        for dst, src, scale in self.rounded:  # moved as stored, then multiplied on the device, not on the host
+            dst.copy_(src.to(dst.device, non_blocking=True).float() * scale)
+        return self.nbytes
