@@ -6,8 +6,8 @@ layer's slot rank, so shapes stay fixed while adapters and strengths change
 (`layer.LayerSlots`).
 
 Activation compares the requested set as a set: resident adapters keep their
-slot, only newcomers are copied (non-blocking), an adapter left out releases
-its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
+slot, only newcomers are written (`writes`: checked first, then copied without
+blocking), an adapter left out releases its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
 or [batch, N]; changing them is a tensor write. A bank asked for more slots grows
 in place around its resident adapters.
 
