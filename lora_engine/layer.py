@@ -11,8 +11,10 @@ warm slots at strength 0 cost nothing per step. Where dead slots between live
 ones or the padding of lower-rank adapters would leave a quarter or more of the
 rows empty, the layer keeps a packed copy of the live rows (`Rows`). Under
 torch.compile every slot is computed instead, from the fixed buffers (a free
-slot is zero), so that neither a strength change nor a change of the slots in
-use recompiles the graph.
+slot is zero), and the dense and bias slots from a list in slot order with
+their slots in a tensor (`stack`), so that neither a strength change nor a
+change of the slots in use recompiles the graph; only a change in how many
+dense or bias slots a layer holds does.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class LayerSlots:
         self.dirty: set[int] = set()  # slots no adapter holds whose rows may not be zero yet (see `scrub`)
         self.dense: dict[int, torch.Tensor] = {}
         self.bias: dict[int, torch.Tensor] = {}
+        self.stacked: tuple = NOTHING_STACKED  # the dense and bias slots as the compiled path reads them (`stack`)
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
         self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, expanded to the rows' columns)
@@ -101,8 +104,9 @@ class LayerSlots:
         would be guarded too."""
         scale = self.bank.scale if self.factor is None else self.bank.scale * self.factor
         if self.a is None:
-            return runtime.apply(self, module, x, out, scale)
-        return runtime.apply(self, module, x, out, scale, self.a, self.b, scale.repeat_interleave(self.rank, -1))
+            return runtime.apply(self, module, x, out, scale, stacked=self.stacked)
+        return runtime.apply(self, module, x, out, scale, self.a, self.b, scale.repeat_interleave(self.rank, -1),
+                             stacked=self.stacked)
 
     def weighted_scale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the
@@ -120,6 +124,19 @@ class LayerSlots:
         self.dead = {s for s in extra if not live[s]}
         self.idle = not lr and not (extra - self.dead)
         self.rows = Rows.of(self, lr)
+
+    def stack(self) -> None:
+        """The dense and bias slots as the compiled path reads them: (deltas, their slots, biases, their slots), the
+        tensors in slot order and the slots as device tensors, so that its graph depends on how many there are,
+        not on which slots hold them. Made by the bank after adapters enter or leave slots, outside any compiled
+        region; a strength change leaves it as it is."""
+        if not self.dense and not self.bias:
+            self.stacked = NOTHING_STACKED
+            return
+        dev = self.bank.device
+        dense, bias = sorted(self.dense.items()), sorted(self.bias.items())
+        self.stacked = (tuple(t for _, t in dense), torch.tensor([s for s, _ in dense], device=dev),
+                        tuple(t for _, t in bias), torch.tensor([s for s, _ in bias], device=dev))
 
     def ensure_rank(self, rank: int) -> None:
         """Slot buffers of at least `rank` rows per slot. The first ones are left unfilled, every slot dirty:
@@ -207,6 +224,10 @@ class LayerSlots:
             self._buffers(self.a.to(device), self.b.to(device))
         self.dense = {k: v.to(device) for k, v in self.dense.items()}
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
+        if self.stacked is not NOTHING_STACKED:
+            deltas, dense_slots, biases, bias_slots = self.stacked
+            self.stacked = (tuple(self.dense[s] for s in sorted(self.dense)), dense_slots.to(device),
+                            tuple(self.bias[s] for s in sorted(self.bias)), bias_slots.to(device))
         if self.factor is not None:
             self.factor = self.factor.to(device)
         self.cached_scale = None
@@ -256,4 +277,5 @@ class Rows:
         return Rows(self.key, self.a.to(dev), self.b.to(dev), True, self.slot_of.to(dev))
 
 
+NOTHING_STACKED = ((), None, (), None)
 _unfilled = torch.empty  # first slot buffers: every row is written or scrubbed before a forward reads it

@@ -103,10 +103,12 @@ def _low_rank_conv(x, geom, a, b, columns, out):
 
 
 def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, a: torch.Tensor | None = None,
-          b: torch.Tensor | None = None, columns: torch.Tensor | None = None, dead=()) -> torch.Tensor:
+          b: torch.Tensor | None = None, columns: torch.Tensor | None = None, dead=(),
+          stacked: tuple | None = None) -> torch.Tensor:
     """`out` plus the low-rank rows `a` [Σr, in, *k] and `b` [out, Σr] scaled by `columns` (the strengths, [N] or
     [batch, N], expanded to those rows; a row of a slot at strength 0 adds exact zeros), plus every dense and bias
-    slot of `layer` (its `LayerSlots`) that is not in `dead`."""
+    slot of `layer` (its `LayerSlots`) that is not in `dead`; or, given `stacked` (the compiled path), the dense
+    and bias slots it lists."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
     if a is not None:
@@ -114,6 +116,8 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
             out = _low_rank_linear(xd, a, b, columns, out)
         else:
             out = _low_rank_conv(xd, geom, a, b, columns, out)
+    if stacked is not None:
+        return _stacked(module, xd, geom, out, scale, stacked)
     for slot, delta in layer.dense.items():
         if slot in dead:
             continue
@@ -124,4 +128,23 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
             continue
         s = _slot_scale(scale, slot, x.shape[0], out.dim())
         out = _inplace_add(out, (bias.reshape(_channels(geom, out)) * s).to(out.dtype))
+    return out
+
+
+def _stacked(module, xd, geom, out, scale, stacked):
+    """The dense and bias slots as (deltas, their slots, biases, their slots): the deltas in slot order and the
+    slots in a tensor that gathers their strengths, so that a compiled graph depends on how many there are, not on
+    which slots hold them."""
+    deltas, dense_slots, biases, bias_slots = stacked
+    batch = xd.shape[0]
+    if deltas:
+        s = scale.index_select(-1, dense_slots)
+        for i, delta in enumerate(deltas):
+            y = _dense(module, xd, geom, delta, _slot_scale(s, i, batch, out.dim()))
+            out = _inplace_add(out, y.to(out.dtype))
+    if biases:
+        s = scale.index_select(-1, bias_slots)
+        for i, bias in enumerate(biases):
+            y = bias.reshape(_channels(geom, out)) * _slot_scale(s, i, batch, out.dim())
+            out = _inplace_add(out, y.to(out.dtype))
     return out

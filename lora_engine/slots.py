@@ -231,7 +231,7 @@ class SlotBank:
                 self._set_layer_weights(weights, batch)
                 self._weights_key = weights_key
             if copied or released:
-                self._scrub()
+                self._slots_changed()
                 self._live_key = None  # slots and layers changed: find the live slots again
             self._set_strengths({slot_of[j]: strengths[:, j] if batch is not None else strengths[j]
                                  for j in range(len(wanted))}, batch=batch)
@@ -336,7 +336,7 @@ class SlotBank:
         """After a write failed (out of memory, an interrupt): every slot whose adapter changed goes to strength
         0, so that a newcomer already written stays warm at 0 instead of taking the strength its slot's previous
         adapter had; the adapters kept compute as before."""
-        self._scrub()
+        self._slots_changed()
         table = self._table.clone()
         for i, (was, now) in enumerate(zip(previous, self.slots)):
             if was is not now:
@@ -345,10 +345,13 @@ class SlotBank:
         self._live_key = None
         self._push()
 
-    def _scrub(self) -> None:
+    def _slots_changed(self) -> None:
+        """After adapters entered or left slots: zero the slots left dirty, and give each layer its dense and bias
+        slots as the compiled path reads them (`LayerSlots.stack`)."""
         for layer in self.layers.values():
             if layer.dirty:
                 layer.scrub()
+            layer.stack()
 
     def _clear_slot(self, slot: int) -> None:
         for layer in self.layers.values():

@@ -80,3 +80,39 @@ def test_more_slots_compile_once_more_then_nothing_recompiles(tmp_path):
         change()
         check()
     assert counter.frame_count == 2
+
+
+def test_dense_path_adapters_recompile_only_when_their_number_changes(tmp_path):
+    """Under torch.compile a layer adds its dense-path deltas (LoHa, LoKr, full diffs, DoRA) and bias diffs in slot
+    order, with their slots read from a tensor: a graph depends on how many a layer holds, not on which slots hold
+    them. A LoHa moved to another slot, swapped for another LoHa, or set to 0 compiles nothing; a second dense
+    adapter compiles one more graph."""
+    torch._dynamo.reset()
+    model = lf.tiny()
+    lora, lora2 = (load_adapter(lf.write(tmp_path, f"l{i}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)),
+                                name=f"l{i}") for i in range(2))
+    h1, h2 = (load_adapter(lf.write(tmp_path, f"h{i}.safetensors", lf.loha_tensors(model, 10 + i)), name=f"h{i}")
+              for i in range(2))
+    diff = load_adapter(lf.write(tmp_path, "d.safetensors", lf.diff_tensors(model, 20)), name="d")
+    bank = SlotBank(model, max_loras=3)
+    bank.activate([(lora, 0.5), (h1, 0.7)])
+    counter = testing.CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    x = lf.tiny_input()
+
+    def check():
+        with torch.no_grad():
+            assert torch.allclose(compiled(x), model(x), atol=1e-5)
+
+    check()
+    for change in (lambda: bank.activate([(lora, 0.5), (lora2, 0.3), (h2, 0.7)]),  # h1 out of slot 1, h2 into 2
+                   lambda: bank.set_strength(h2, 0.0),
+                   lambda: bank.activate([(lora, 0.5), (h1, -0.4)]),  # back into slot 1
+                   lambda: bank.set_strength(h1, 1.2)):
+        change()
+        check()
+    assert [a and a.name for a in bank.slots] == ["l0", "h0", None]
+    assert counter.frame_count == 1
+    bank.activate([(lora, 0.5), (h1, -0.4), (diff, 0.6)])  # two dense deltas per layer, and bias diffs
+    check()
+    assert counter.frame_count == 2
