@@ -16,6 +16,22 @@ from . import lora_files as lf
 testing = pytest.importorskip("torch._dynamo.testing", reason="this torch build has no dynamo")
 
 
+def compiled_check(model, atol: float = 1e-6):
+    """A counting backend for `model` compiled, and a check that the compiled output equals eager execution's,
+    which returns it."""
+    counter = testing.CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    x = lf.tiny_input()
+
+    def check():
+        with torch.no_grad():
+            got = compiled(x)
+            assert torch.allclose(got, model(x), atol=atol)
+        return got
+
+    return counter, check
+
+
 def test_no_recompile_when_strengths_schedules_or_adapters_change(tmp_path):
     torch._dynamo.reset()
     model = lf.tiny()
@@ -23,19 +39,10 @@ def test_no_recompile_when_strengths_schedules_or_adapters_change(tmp_path):
                             name=n) for i, n in enumerate("abc"))
     bank = SlotBank(model, max_loras=2)
     bank.activate([(a, 0.5), (b, 0.3)])
-    counter = testing.CompileCounter()
-    compiled = torch.compile(model, backend=counter)
-    x = lf.tiny_input()
-    base = lf.tiny()(x)
-
-    def check():
-        with torch.no_grad():
-            got, want = compiled(x), model(x)
-        assert torch.allclose(got, want, atol=1e-6)
-        return got
-
-    with_lora = check()
-    assert not torch.allclose(with_lora, base, atol=1e-4)  # the hooks are in the compiled graph
+    counter, check = compiled_check(model)
+    with torch.no_grad():
+        base = lf.tiny()(lf.tiny_input())
+    assert not torch.allclose(check(), base, atol=1e-4)  # the hooks are in the compiled graph
     changes = [
         lambda: bank.set_strength(a, 0.8),
         lambda: bank.set_strength(b, 0.0),  # the last slot to 0: eager mode would cut it from the GEMMs
@@ -63,14 +70,7 @@ def test_more_slots_compile_once_more_then_nothing_recompiles(tmp_path):
                             name=n) for i, n in enumerate("abc"))
     bank = SlotBank.of(model, max_loras=2)
     bank.activate([(a, 0.5), (b, 0.3)])
-    counter = testing.CompileCounter()
-    compiled = torch.compile(model, backend=counter)
-    x = lf.tiny_input()
-
-    def check():
-        with torch.no_grad():
-            assert torch.allclose(compiled(x), model(x), atol=1e-6)
-
+    counter, check = compiled_check(model)
     check()
     assert SlotBank.of(model, max_loras=3) is bank
     check()
@@ -96,14 +96,7 @@ def test_dense_path_adapters_recompile_only_when_their_number_changes(tmp_path):
     diff = load_adapter(lf.write(tmp_path, "d.safetensors", lf.diff_tensors(model, 20)), name="d")
     bank = SlotBank(model, max_loras=3)
     bank.activate([(lora, 0.5), (h1, 0.7)])
-    counter = testing.CompileCounter()
-    compiled = torch.compile(model, backend=counter)
-    x = lf.tiny_input()
-
-    def check():
-        with torch.no_grad():
-            assert torch.allclose(compiled(x), model(x), atol=1e-5)
-
+    counter, check = compiled_check(model, atol=1e-5)
     check()
     for change in (lambda: bank.activate([(lora, 0.5), (lora2, 0.3), (h2, 0.7)]),  # h1 out of slot 1, h2 into 2
                    lambda: bank.set_strength(h2, 0.0),
