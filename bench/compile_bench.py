@@ -2,7 +2,8 @@
 
 On engine_bench's Flux-shaped blocks, one compiled model runs through the changes a ComfyUI session makes:
 slider moves (through 0 too), another adapter of the same rank swapped into a warm slot, an adapter
-released and a newcomer into its slot, a schedule with its progress updates, and per-item strengths.
+released and a newcomer into its slot, a schedule with its progress updates, a LoHa (a dense-path adapter)
+written, then swapped for another LoHa in another slot, and per-item strengths.
 After each change it checks the compiled output against eager and prints how many graphs inductor has
 compiled so far. Then it times, paired round by round, the compiled step with k adapters against the
 compiled base step, and the same in eager mode.
@@ -27,6 +28,21 @@ from bench.machine import machine_line  # noqa: E402
 from lora_engine import AdapterCache, Entry, Schedule, SlotBank  # noqa: E402
 
 
+def write_loha(model: torch.nn.Module, path: str, rank: int, seed: int) -> None:
+    """A LyCORIS LoHa on every Linear: a dense-path adapter, whose ΔW each layer holds in full."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            p = "lora_unet_" + name.replace(".", "_")
+            for i in (1, 2):
+                t[f"{p}.hada_w{i}_a"] = (torch.randn(m.out_features, rank, generator=g) * 0.1).to(torch.bfloat16)
+                t[f"{p}.hada_w{i}_b"] = (torch.randn(rank, m.in_features, generator=g) * 0.1).to(torch.bfloat16)
+            t[p + ".alpha"] = torch.tensor(float(rank))
+    save_file(t, path)
+
+
 def main() -> int:
     ap = model_args(__doc__)
     ap.add_argument("--k", type=int, default=4, help="adapters held (one more is written, for the swap)")
@@ -47,13 +63,18 @@ def main() -> int:
     print(f"machine before: {machine_line()}")
 
     tmp = tempfile.mkdtemp(prefix="lora-compile-")
-    cache = AdapterCache(max_items=args.k + 1)
+    cache = AdapterCache(max_items=args.k + 3)
     adapters = []
     for i in range(args.k + 1):
         path = os.path.join(tmp, f"adapter{i}.safetensors")
         write_adapter(model, path, args.rank, seed=i)
         adapters.append(cache.load(path))
     held, spare = adapters[:args.k], adapters[args.k]
+    lohas = []
+    for i in range(2):
+        path = os.path.join(tmp, f"loha{i}.safetensors")
+        write_loha(model, path, 8, seed=100 + i)
+        lohas.append(cache.load(path))
     bank = SlotBank(model, max_loras=args.k, dtype=dtype, device=device)
     bank.activate([(a, 1.0) for a in held])
 
@@ -75,6 +96,11 @@ def main() -> int:
                                              + [(a, 1.0) for a in held[1:]])),
         ("schedule progress 0.5", lambda: bank.set_progress(0.5)),
         ("schedule progress 1", lambda: bank.set_progress(1.0)),
+        ("a LoHa in the last slot (first dense deltas: one recompile expected)",
+         lambda: bank.activate([(a, 1.0) for a in held[:-1]] + [(lohas[0], 0.8)])),
+        ("another LoHa, into the first slot (the first LoHa released)",
+         lambda: bank.activate([(lohas[1], 0.8)] + [(a, 1.0) for a in held[1:]])),
+        ("the LoHa to 0, then back", lambda: (bank.set_strength(lohas[1], 0.0), bank.set_strength(lohas[1], 0.6))),
         ("per-item strengths (the scale's shape changes: one recompile expected)",
          lambda: bank.activate([(a, items) for a in held])),
         ("per-item slider move", lambda: bank.set_strength(first, [0.5] * len(items))),
