@@ -98,7 +98,7 @@ def refuse(linears: dict[str, nn.Linear], backups: dict[str, torch.Tensor], adap
         w = backups[name].float()
         for a in adapters:
             lp = a.layers["lora_unet_" + name.replace(".", "_")]
-            w += strength * (lp.weight.scaled_up().to(w.device) @ lp.weight.down.float().to(w.device))
+            w += strength * lp.weight.delta(w.shape, w.device)
         m.weight.copy_(w.to(m.weight.dtype))
 
 

@@ -93,6 +93,7 @@ class ModulePlan:
     rank: int = field(init=False)  # the rows of a slot the pieces fill (0 unless low_rank)
     full_rank: int = field(init=False)  # the rank of the one piece that covers the whole layer; 0 where several,
     # or a slice: a slot of exactly this rank is filled by `write_factors`, every row of it
+    dora: bool = field(init=False)  # a piece is DoRA: its ΔW reads the layer's weight
 
     def __post_init__(self):
         parts = [p for p in self.pieces if p.patch.weight is not None]
@@ -100,6 +101,7 @@ class ModulePlan:
         self.rank = sum(p.patch.weight.rank for p in parts) if self.low_rank else 0
         whole = len(parts) == 1 and parts[0].out_slice is None
         self.full_rank = parts[0].patch.weight.rank if whole and self.low_rank else 0
+        self.dora = any(p.patch.dora_scale is not None for p in self.pieces)
 
     def check_factors(self, dtype: torch.dtype) -> None:
         """Raise before any slot is written when A or s·B would overflow `dtype`. The reader has checked

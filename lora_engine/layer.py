@@ -78,7 +78,7 @@ class LayerSlots:
         bank = self.bank
         compiling = torch.compiler.is_compiling()
         # Under torch.compile the layer is skipped only when it has no buffers at all (see `_compiled`).
-        skip = (self.a is None and not self.dense and not self.bias) if compiling else (bank.all_zero or self.idle)
+        skip = (self.a is None and self.stacked is NOTHING_STACKED) if compiling else (bank.all_zero or self.idle)
         if not bank.active or skip:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
@@ -125,15 +125,15 @@ class LayerSlots:
         self.idle = not lr and not (extra - self.dead)
         self.rows = Rows.of(self, lr)
 
-    def stack(self) -> None:
+    def stack(self, device: torch.device | None = None) -> None:
         """The dense and bias slots as the compiled path reads them: (deltas, their slots, biases, their slots), the
         tensors in slot order and the slots as device tensors, so that its graph depends on how many there are,
         not on which slots hold them. Made by the bank after adapters enter or leave slots, outside any compiled
-        region; a strength change leaves it as it is."""
+        region, and on `device` (default: the bank's) when the layer moves; a strength change leaves it as it is."""
         if not self.dense and not self.bias:
             self.stacked = NOTHING_STACKED
             return
-        dev = self.bank.device
+        dev = device or self.bank.device
         dense, bias = sorted(self.dense.items()), sorted(self.bias.items())
         self.stacked = (tuple(t for _, t in dense), torch.tensor([s for s, _ in dense], device=dev),
                         tuple(t for _, t in bias), torch.tensor([s for s, _ in bias], device=dev))
@@ -224,10 +224,7 @@ class LayerSlots:
             self._buffers(self.a.to(device), self.b.to(device))
         self.dense = {k: v.to(device) for k, v in self.dense.items()}
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
-        if self.stacked is not NOTHING_STACKED:
-            deltas, dense_slots, biases, bias_slots = self.stacked
-            self.stacked = (tuple(self.dense[s] for s in sorted(self.dense)), dense_slots.to(device),
-                            tuple(self.bias[s] for s in sorted(self.bias)), bias_slots.to(device))
+        self.stack(device)
         if self.factor is not None:
             self.factor = self.factor.to(device)
         self.cached_scale = None

@@ -62,9 +62,6 @@ class LowRank:
     def rank(self) -> int:
         return self.down.shape[0]
 
-    def scaled_up(self) -> torch.Tensor:
-        return self.up.float() * self.scale
-
     def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
         return ((_f32(self.up, device) * self.scale) @ _flat(_f32(self.down, device))).reshape(shape)
 

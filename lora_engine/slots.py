@@ -7,9 +7,10 @@ layer's slot rank, so shapes stay fixed while adapters and strengths change
 
 Activation compares the requested set as a set: resident adapters keep their
 slot, only newcomers are written (`writes`: checked first, then copied without
-blocking), an adapter left out releases its slot, strength 0 keeps it warm. Strengths live in one device tensor, [N]
-or [batch, N]; changing them is a tensor write. A bank asked for more slots grows
-in place around its resident adapters.
+blocking), an adapter left out releases its slot, strength 0 keeps it warm.
+Strengths live in one device tensor, [N] or [batch, N]; changing them is a
+tensor write. A bank asked for more slots grows in place around its resident
+adapters.
 
 Strength shaping changes numbers only: a schedule multiplies a slot's strength
 at each `set_progress`, and layer weights give a layer its own factor per slot.

@@ -62,8 +62,7 @@ def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
     """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
     maxima (and DoRA's from the base weight's) settles it for any usual file; past the bound, ΔW is computed on
     the bank's device, checked and dropped."""
-    dora = any(p.patch.dora_scale is not None for p in plan.pieces)
-    if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if dora else None):
+    if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if plan.dora else None):
         return
     delta = _dense(bank, plan)
     if delta is not None and not bool(torch.isfinite(delta.to(bank.dtype)).all()):
@@ -74,8 +73,7 @@ def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
 
 def _dense(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
     """The layer's ΔW for strength 1, in fp32 on the bank's device (DoRA reads the layer's weight)."""
-    base = bank.weight_fn(plan.module) if any(p.patch.dora_scale is not None for p in plan.pieces) else None
-    return plan.dense(base, bank.device)
+    return plan.dense(bank.weight_fn(plan.module) if plan.dora else None, bank.device)
 
 
 def _write_dense(bank: SlotBank, layer: LayerSlots, slot: int, plan: ModulePlan) -> int:
