@@ -150,11 +150,18 @@ def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor]) 
                 kept.append(t)
         buffer = allocate(_pow2(used))
         for t, at in placed:
-            copy = buffer[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            copy = _laid_out(buffer[at:at + t.numel() * t.element_size()].view(t.dtype), t)
             copy.copy_(t)
             moved[id(t)] = copy
         left = kept
     return moved
+
+
+def _laid_out(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`flat` viewed with `t`'s shape and layout: a column-major B (`LowRank`) stays column-major."""
+    if t.dim() == 2 and t.t().is_contiguous() and not t.is_contiguous():
+        return flat.view(t.shape[1], t.shape[0]).t()
+    return flat.view(t.shape)
 
 
 def _pow2(n: int) -> int:

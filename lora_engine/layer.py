@@ -2,7 +2,9 @@
 
 A targeted layer holds A [N·R, in, *k] and B [out, N·R] for the N slots of its
 bank, R padded to the layer's slot rank, plus a dense delta or a bias per slot
-for adapters that cannot run in low rank. Slot i owns rows i·R … (i+1)·R − 1.
+for adapters that cannot run in low rank. Slot i owns rows i·R … (i+1)·R − 1
+of A and those columns of B; a Linear's B is column-major, so that each slot's
+columns are one dense block (`_new_b`).
 
 Each layer computes only its live slots: those it holds whose strength (times
 its factor) is not 0 for some batch item. Trailing dead slots are cut from the
@@ -147,7 +149,7 @@ class LayerSlots:
         first = self.a is None
         new = _unfilled if first else torch.zeros
         a = new((self.n * rank, g.in_features, *g.kernel), dtype=self.dtype, device=dev)
-        b = new((g.out_features, self.n * rank), dtype=self.dtype, device=dev)
+        b = self._new_b(new, self.n * rank, dev)
         if not first:
             for i in self.lr_used:
                 a[i * rank:i * rank + self.rank] = self.a[i * self.rank:(i + 1) * self.rank]
@@ -167,7 +169,7 @@ class LayerSlots:
                 self._buffers(self.a[:rows], self.b[:, :rows])
             else:
                 a = torch.empty((rows, *self.a.shape[1:]), dtype=self.dtype, device=self.a.device)
-                b = torch.empty((self.b.shape[0], rows), dtype=self.dtype, device=self.b.device)
+                b = self._new_b(torch.empty, rows, self.b.device)
                 a[:held].copy_(self.a)
                 a[held:].zero_()
                 b[:, :held].copy_(self.b)
@@ -177,6 +179,16 @@ class LayerSlots:
             if self.rows is not None:
                 self.rows = self.rows.to(self)  # its views would keep the old buffers alive
         self.n = n
+
+    def _new_b(self, make, columns: int, device: torch.device) -> torch.Tensor:
+        """B [out, columns] from `make` (`torch.empty`, `torch.zeros`): a Linear's column-major (the transpose of
+        a [columns, out] buffer), so that each slot's columns are one dense block, which a column-major B from the
+        adapter (`LowRank`) fills in one contiguous copy and which zeroes at once; a conv's row-major, the 1×1
+        conv weight it is used as."""
+        out = self.geometry.out_features
+        if self.geometry.conv_dims:
+            return make((out, columns), dtype=self.dtype, device=device)
+        return make((columns, out), dtype=self.dtype, device=device).t()
 
     def prepare(self, slot: int, plan: ModulePlan) -> None:
         """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills

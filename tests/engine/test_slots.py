@@ -526,12 +526,104 @@ def test_pinning_packs_an_adapter_into_a_few_power_of_two_buffers(tmp_path, monk
         for k, lp in a.layers.items():
             for old, new in zip(before[k], lp.tensors(), strict=True):
                 assert new.dtype == old.dtype and new.shape == old.shape and torch.equal(new, old), (a.name, k)
+                assert new.stride() == old.stride(), (a.name, k)  # a column-major B stays column-major
                 assert any(lo <= new.data_ptr() < hi for lo, hi in spans), (a.name, k)
         if a is adapters[0]:  # factors of hundreds of bytes; the LoHa's here are smaller than the alignment
             per_tensor = sum(adapter_module._pow2(t.numel() * t.element_size()) for lp in a.layers.values()
                              for t in lp.tensors())
             assert sum(sizes) < per_tensor, (a.name, sizes, per_tensor)
         assert torch.equal(solo([(a, 0.7)], x), want), a.name
+
+
+def test_each_slot_of_a_linear_holds_its_columns_of_b_as_one_dense_block(tmp_path):
+    """B is column-major in the adapter and in a Linear's slot buffers, so that each slot's columns of B are one
+    dense block, which a write fills in one contiguous copy; a conv's B, the 1×1 conv weight it runs as, stays
+    row-major. Buffers grown for more slots or a higher rank keep the layout, and the outputs are the sum of the
+    adapters' deltas throughout."""
+    model = lf.tiny()
+    x = lf.tiny_input()
+    ads = [load_adapter(lf.write(tmp_path, f"l{i}.safetensors", lf.lora_tensors(model, lay, 20 + i, rank=r)),
+                        name=f"l{i}") for i, (lay, r) in enumerate([("kohya", 3), ("peft", 2), ("locon-mid", 5)])]
+    for a in ads:
+        for k, lp in a.layers.items():
+            up = lp.weight.up
+            assert up.stride() == (1, up.shape[0]), (a.name, k, up.stride())
+    bank = SlotBank(model, max_loras=2)
+
+    def check(entries):
+        bank.activate(entries)
+        assert torch.allclose(run(model, x), solo(entries, x), atol=TOL)
+        convs = 0
+        for name, layer in bank.layers.items():
+            conv = layer.geometry.conv_dims > 0
+            convs += conv
+            assert (layer.b.is_contiguous() if conv else layer.b.stride() == (1, layer.b.shape[0])), name
+            for slot in range(layer.n):
+                a, b = layer.slot(slot)
+                assert a.is_contiguous() and (conv or b.t().is_contiguous()), (name, slot)
+        assert convs and convs < len(bank.layers)
+
+    check([(ads[0], 0.8), (ads[1], -0.6)])
+    check([(ads[0], 0.8), (ads[2], 0.5)])  # rank 5 over slots of rank 3: every buffer reallocated
+    bank.grow(3)
+    check([(ads[0], 0.8), (ads[1], 0.4), (ads[2], 0.5)])
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkeypatch, model_dtype):
+    """Slots on another device than a pinned adapter: each of the adapter's host buffers is moved in one copy, then
+    its factors are copied into the slots on the device in one call per buffer, instead of one copy from the host
+    per factor. Here on the CPU, with the slots taken as being on another device: the slots hold exactly what
+    direct copies write (for a bf16 model, B of an fp32 file is rounded from fp32 once, from the moved buffer
+    too), in one copy call per buffer, and a buffer far larger than what is read from it is not moved."""
+    import lora_engine.adapter as adapter_module
+    import lora_engine.writes as writes
+    model = lf.tiny().to(model_dtype)
+    x = lf.tiny_input().to(model_dtype)
+    tensors = lf.lora_tensors(lf.tiny(), "kohya", 9, rank=4, alpha=3.0)
+    direct = load_adapter(lf.write(tmp_path, "d.safetensors", tensors), name="d", pin=False)
+    packed = load_adapter(lf.write(tmp_path, "p.safetensors", tensors), name="p", pin=False)
+    buffers = []
+
+    def allocate(n):
+        buffers.append(torch.empty(n, dtype=torch.uint8))
+        return buffers[-1]
+
+    monkeypatch.setattr(adapter_module, "PIN_CHUNK", 2048)
+    adapter_module._pin(packed.layers, allocate)
+    assert len(buffers) > 2
+    want_bank = SlotBank(model, max_loras=1)
+    want_bank.activate([(direct, 0.7)])
+    want = run(model, x)
+    slots = {n: [t.clone() for t in layer.slot(0)] for n, layer in want_bank.layers.items()}
+    want_bank.release()
+
+    copies = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(writes.SlotCopies, "_crossing", lambda self: True)
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: copies.append(len(dst)) or
+                        foreach_copy(dst, src, **kw))
+    groups = []
+    by_buffer = writes.SlotCopies._by_buffer
+    monkeypatch.setattr(writes.SlotCopies, "_by_buffer", lambda self: (groups.append(g) or g for g in by_buffer(self)))
+    bank = SlotBank(model, max_loras=1)
+    bank.activate([(packed, 0.7)])
+    assert len(groups) == len(buffers) and len(copies) == sum(1 for c, _ in groups if c), (groups, copies)
+    assert sum(len(c) + len(r) for c, r in groups) == 2 * len(bank.layers)
+    for n, layer in bank.layers.items():
+        assert all(torch.equal(got, ref) for got, ref in zip(layer.slot(0), slots[n], strict=True)), n
+    assert torch.equal(run(model, x), want)
+
+    for lp in packed.layers.values():  # each factor as a view of a copy of its buffer: the same values and layout
+        for t in lp.tensors():
+            v = writes._view(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone(), t)
+            assert torch.equal(v, t) and v.stride() == t.stride() and v.data_ptr() != t.data_ptr()
+
+    big = torch.zeros(64, 64)  # one factor's worth read from a buffer 64 times its size: copied on its own
+    group = writes.SlotCopies()
+    group.add(torch.empty(2, 32), big[:1].view(2, 32))
+    group.add(torch.empty(1, 8), big[2, :8].view(1, 8))
+    assert [[s.data_ptr() == big.data_ptr() for _, s in c] for c, _ in group._by_buffer()] == [[True, False]]
 
 
 def test_an_adapter_that_cannot_be_pinned_stays_in_pageable_memory(tmp_path, caplog, monkeypatch):
