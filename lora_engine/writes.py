@@ -118,8 +118,9 @@ class SlotCopies:
     def run(self) -> int:
         """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
         if self._crossing():
-            for copies, rounded in self._by_buffer():
-                _make(copies, rounded)
+            for copies, rounded in self._by_buffer():  # a copy call is one kernel where all pairs' strides agree:
+                _make([p for p in copies if p[0].stride() == p[1].stride()], rounded)
+                _make([p for p in copies if p[0].stride() != p[1].stride()], [])  # a conv's row-major B
         else:
             _make(self.copies, self.rounded)
         if self.scaled:

@@ -572,10 +572,11 @@ def test_each_slot_of_a_linear_holds_its_columns_of_b_as_one_dense_block(tmp_pat
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
 def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkeypatch, model_dtype):
     """Slots on another device than a pinned adapter: each of the adapter's host buffers is moved in one copy, then
-    its factors are copied into the slots on the device in one call per buffer, instead of one copy from the host
-    per factor. Here on the CPU, with the slots taken as being on another device: the slots hold exactly what
-    direct copies write (for a bf16 model, B of an fp32 file is rounded from fp32 once, from the moved buffer
-    too), in one copy call per buffer, and a buffer far larger than what is read from it is not moved."""
+    its factors are copied into the slots on the device in one call per buffer (two where a conv's row-major B
+    is among them), instead of one copy from the host per factor. Here on the CPU, with the slots taken as being
+    on another device: the slots hold exactly what direct copies write (for a bf16 model, B of an fp32 file is
+    rounded from fp32 once, from the moved buffer too), and a buffer far larger than what is read from it is not
+    moved."""
     import lora_engine.adapter as adapter_module
     import lora_engine.writes as writes
     model = lf.tiny().to(model_dtype)
@@ -608,7 +609,8 @@ def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkey
     monkeypatch.setattr(writes.SlotCopies, "_by_buffer", lambda self: (groups.append(g) or g for g in by_buffer(self)))
     bank = SlotBank(model, max_loras=1)
     bank.activate([(packed, 0.7)])
-    assert len(groups) == len(buffers) and len(copies) == sum(1 for c, _ in groups if c), (groups, copies)
+    assert len(groups) == len(buffers) and len(copies) <= 2 * len(groups), (len(groups), copies)
+    assert sum(copies) == sum(len(c) for c, _ in groups)  # a call for the pairs whose strides agree, one for the rest
     assert sum(len(c) + len(r) for c, r in groups) == 2 * len(bank.layers)
     for n, layer in bank.layers.items():
         assert all(torch.equal(got, ref) for got, ref in zip(layer.slot(0), slots[n], strict=True)), n
