@@ -12,7 +12,7 @@ import torch
 
 from .errors import LoRAFileError, LoRAFormatError
 from .formats import parse_tensors
-from .patches import LayerPatch
+from .patches import LayerPatch, LowRank
 from .reader import read_tensors
 
 log = logging.getLogger("lora_engine")
@@ -91,8 +91,27 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
         pin = torch.cuda.is_available()
     if pin:
         _pin(parsed.layers)
+    _column_major(parsed.layers)
     return Adapter(name=name or os.path.basename(path), identity=identity, fingerprint=file_fingerprint(path),
                    layers=parsed.layers, formats=parsed.formats, leftover=parsed.leftover, metadata=metadata)
+
+
+def _column_major(layers: dict[str, LayerPatch]) -> None:
+    """Lay each low-rank B [out, r] out column-major (pinning does it as it packs), the layout of a Linear's slot
+    buffers (`LayerSlots._new_b`), where each slot's columns are one dense block: writing an adapter into its slot
+    is then one contiguous copy per factor, where a row-major B would take `out` strided runs of r values at
+    every activation."""
+    import dataclasses
+
+    for lp in layers.values():
+        up = _up(lp)
+        if up is not None and not up.t().is_contiguous():
+            lp.weight = dataclasses.replace(lp.weight, up=up.t().contiguous().t())
+
+
+def _up(lp: LayerPatch) -> torch.Tensor | None:
+    """The low-rank B of a layer patch, or None."""
+    return lp.weight.up if isinstance(lp.weight, LowRank) and lp.weight.up.dim() == 2 else None
 
 
 PIN_CHUNK = 1 << 24  # bytes per pinned buffer (a power of two), unless one tensor is larger
@@ -108,10 +127,11 @@ def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] 
     memory exhausted), the adapter stays where it is, and its copies to the device block."""
     import dataclasses
 
-    allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    allocate = allocate or _pinned_bytes
     tensors = {id(t): t for lp in layers.values() for t in lp.tensors() if t.numel() and not t.is_pinned()}
+    ups = {id(up) for lp in layers.values() if (up := _up(lp)) is not None}
     try:
-        moved = _pack(list(tensors.values()), allocate)
+        moved = _pack(list(tensors.values()), allocate, ups)
     except RuntimeError as e:  # pinned memory exhausted or refused: the copies to the device block, nothing else
         log.warning("lora_engine: the adapter stays in pageable memory, pinning failed: %s", str(e).split("\n")[0])
         return
@@ -128,10 +148,16 @@ def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] 
         lp.dora_scale = pinned(lp.dora_scale)
 
 
-def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
+def _pinned_bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+
+def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor],
+          columns: set[int] = frozenset()) -> dict[int, torch.Tensor]:
     """Copies of `tensors` in buffers from `allocate`, each a power of two of bytes and filled before the next is
     made: `PIN_CHUNK` while the rest fills one, then the largest power of two the rest fills, so that a 6 MB
-    adapter takes 4 + 2 MB rather than 8. Largest tensors first; returns id(original) -> copy."""
+    adapter takes 4 + 2 MB rather than 8. Largest tensors first; the matrices whose ids are in `columns` are laid
+    out column-major, the others as they are; returns id(original) -> copy."""
     def size(t: torch.Tensor) -> int:
         return -(-t.numel() * t.element_size() // PIN_ALIGN) * PIN_ALIGN
 
@@ -150,16 +176,16 @@ def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor]) 
                 kept.append(t)
         buffer = allocate(_pow2(used))
         for t, at in placed:
-            copy = _laid_out(buffer[at:at + t.numel() * t.element_size()].view(t.dtype), t)
+            copy = _laid_out(buffer[at:at + t.numel() * t.element_size()].view(t.dtype), t, id(t) in columns)
             copy.copy_(t)
             moved[id(t)] = copy
         left = kept
     return moved
 
 
-def _laid_out(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`flat` viewed with `t`'s shape and layout: a column-major B (`LowRank`) stays column-major."""
-    if t.dim() == 2 and t.t().is_contiguous() and not t.is_contiguous():
+def _laid_out(flat: torch.Tensor, t: torch.Tensor, column_major: bool) -> torch.Tensor:
+    """`flat` viewed with `t`'s shape, column-major where asked or where `t` is."""
+    if t.dim() == 2 and (column_major or (t.t().is_contiguous() and not t.is_contiguous())):
         return flat.view(t.shape[1], t.shape[0]).t()
     return flat.view(t.shape)
 

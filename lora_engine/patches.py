@@ -55,14 +55,8 @@ def _product_bound(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | None) -> 
 @dataclass(frozen=True)
 class LowRank:
     down: torch.Tensor  # A: [r, in, *kernel]
-    up: torch.Tensor  # B: [out, r], column-major (see __post_init__)
+    up: torch.Tensor  # B: [out, r]; column-major once loaded (`adapter.load_adapter`)
     scale: float  # alpha / r
-
-    def __post_init__(self):
-        # B is kept column-major, the layout of a Linear's slot buffers (`LayerSlots._new_b`), where each slot's
-        # columns are one dense block: a write is then one contiguous copy, not `out` strided ones.
-        if self.up.dim() == 2 and not self.up.t().is_contiguous():
-            object.__setattr__(self, "up", self.up.t().contiguous().t())
 
     @property
     def rank(self) -> int:

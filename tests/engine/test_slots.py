@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 import torch
 
 from lora_engine import NonFiniteError, SlotBank, SlotLimitError, load_adapter
@@ -533,6 +534,32 @@ def test_pinning_packs_an_adapter_into_a_few_power_of_two_buffers(tmp_path, monk
                              for t in lp.tensors())
             assert sum(sizes) < per_tensor, (a.name, sizes, per_tensor)
         assert torch.equal(solo([(a, 0.7)], x), want), a.name
+
+
+def test_a_loaded_adapter_holds_b_column_major_laid_out_in_one_copy(tmp_path, monkeypatch):
+    """Loading lays each low-rank B out column-major, with the file's values: unpinned, in one copy at load;
+    pinned, in the packing copy itself, so that the factor the adapter holds lies in a pinned buffer and no second
+    copy follows."""
+    import lora_engine.adapter as adapter_module
+    model = lf.tiny()
+    path = lf.write(tmp_path, "c.safetensors", lf.lora_tensors(model, "kohya", 3, rank=4))
+    stored = {k[:-len(".lora_up.weight")]: v for k, v in safetensors.torch.load_file(path).items()
+              if k.endswith(".lora_up.weight")}
+    buffers = []
+
+    def allocate(n):
+        buffers.append(torch.empty(n, dtype=torch.uint8))
+        return buffers[-1]
+
+    monkeypatch.setattr(adapter_module, "_pinned_bytes", allocate)
+    for pin in (False, True):
+        a = load_adapter(path, pin=pin)
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
+        assert len(a.layers) == len(stored) and bool(spans) == pin
+        for k, lp in a.layers.items():
+            up = lp.weight.up
+            assert up.stride() == (1, up.shape[0]) and torch.equal(up, stored[k].reshape(up.shape)), (pin, k)
+            assert any(lo <= up.data_ptr() < hi for lo, hi in spans) == pin, (pin, k)
 
 
 def test_each_slot_of_a_linear_holds_its_columns_of_b_as_one_dense_block(tmp_path):
