@@ -117,12 +117,16 @@ class SlotCopies:
 
     def run(self) -> int:
         """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
-        if self._crossing():
-            for copies, rounded in self._by_buffer():  # a copy call is one kernel where all pairs' strides agree:
+        if self._crossing():  # a call is one kernel on a GPU where all its tensors are dense and laid out alike:
+            for copies, rounded in self._by_buffer():
                 _make([p for p in copies if p[0].stride() == p[1].stride()], rounded)
                 _make([p for p in copies if p[0].stride() != p[1].stride()], [])  # a conv's row-major B
-        else:
-            _make(self.copies, self.rounded)
+            for block in (True, False):  # a conv's B is columns of a row-major buffer
+                scaled = [(t, c) for t, c in zip(self.scaled, self.scales) if _one_block(t) == block]
+                if scaled:
+                    torch._foreach_mul_([t for t, _ in scaled], [c for _, c in scaled])
+            return self.nbytes
+        _make(self.copies, self.rounded)
         if self.scaled:
             torch._foreach_mul_(self.scaled, self.scales)
         return self.nbytes
@@ -159,6 +163,11 @@ def _make(copies: list[tuple[torch.Tensor, torch.Tensor]], rounded: list[tuple[t
         torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies], non_blocking=True)
     for dst, src, scale in rounded:  # moved as stored, then multiplied on the device, not on the host
         dst.copy_(src.to(dst.device, non_blocking=True).float() * scale)
+
+
+def _one_block(t: torch.Tensor) -> bool:
+    """`t` fills one dense block of memory (row- or column-major)."""
+    return t.is_contiguous() or (t.dim() == 2 and t.t().is_contiguous())
 
 
 def _view(moved: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
