@@ -190,6 +190,13 @@ class LayerSlots:
             return make((out, columns), dtype=self.dtype, device=device)
         return make((columns, out), dtype=self.dtype, device=device).t()
 
+    def columns_of_b(self, index: torch.Tensor) -> torch.Tensor:
+        """A copy of B's columns `index`, laid out as B is: a layer computes the same from a packed copy of its rows
+        as from its slot buffers (a GEMM's rounding may depend on its operands' layout)."""
+        if self.geometry.conv_dims:
+            return self.b.index_select(1, index)
+        return self.b.t().index_select(0, index).t()
+
     def prepare(self, slot: int, plan: ModulePlan) -> None:
         """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills
         every row."""
@@ -269,7 +276,7 @@ class Rows:
             return cls(tuple((s, rank) for s in range(hi)), layer.a[:hi * rank], layer.b[:, :hi * rank], False)
         index = torch.cat([torch.arange(s * rank, s * rank + r) for s, r in key]).to(dev)
         slot_of = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(dev)
-        return cls(key, layer.a.index_select(0, index), layer.b.index_select(1, index), True, slot_of)
+        return cls(key, layer.a.index_select(0, index), layer.columns_of_b(index), True, slot_of)
 
     def columns(self, scale: torch.Tensor) -> torch.Tensor:
         """The strengths, [N] or [batch, N], expanded to these rows' columns."""

@@ -6,7 +6,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from lora_engine import NonFiniteError, SlotBank, SlotLimitError, load_adapter
+from lora_engine import LoRAShapeError, NonFiniteError, SlotBank, SlotLimitError, load_adapter
 
 from . import lora_files as lf
 
@@ -596,14 +596,33 @@ def test_each_slot_of_a_linear_holds_its_columns_of_b_as_one_dense_block(tmp_pat
     check([(ads[0], 0.8), (ads[1], 0.4), (ads[2], 0.5)])
 
 
+def test_a_refused_newcomer_of_a_higher_rank_leaves_the_output_bit_for_bit(tmp_path):
+    """A newcomer of a higher rank reallocates the layers' buffers before a later layer of it is refused (its DoRA
+    magnitude is empty). The resident adapter's rows then come from a packed copy instead of the slot buffers; the
+    copy is laid out as the buffers are, so that the output is the same bit for bit."""
+    model = lf.tiny()
+    x = lf.tiny_input()
+    good = load_adapter(lf.write(tmp_path, "good.safetensors", lf.lora_tensors(model, "kohya", 7)), name="good")
+    tensors = lf.lora_tensors(model, "kohya", 8, rank=8)
+    tensors["lora_unet_ff.dora_scale"] = torch.ones(0)
+    bad = load_adapter(lf.write(tmp_path, "bad.safetensors", tensors), name="bad")
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(good, 0.5)])
+    before = run(model, x)
+    with pytest.raises(LoRAShapeError, match="'ff'"):
+        bank.activate([(good, 0.5), (bad, 1.0)])
+    assert any(layer.rows is not None and layer.rows.packed for layer in bank.layers.values())
+    assert torch.equal(run(model, x), before)
+
+
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
 def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkeypatch, model_dtype):
     """Slots on another device than a pinned adapter: each of the adapter's host buffers is moved in one copy, then
     its factors are copied into the slots on the device in one call per buffer (two where a conv's row-major B
     is among them), instead of one copy from the host per factor. Here on the CPU, with the slots taken as being
     on another device: the slots hold exactly what direct copies write (for a bf16 model, B of an fp32 file is
-    rounded from fp32 once, from the moved buffer too), and a buffer far larger than what is read from it is not
-    moved."""
+    rounded from fp32 once, from the moved buffer too), the scales of B are applied in one call for the dense
+    blocks and one for a conv's columns, and a buffer far larger than what is read from it is not moved."""
     import lora_engine.adapter as adapter_module
     import lora_engine.writes as writes
     model = lf.tiny().to(model_dtype)
@@ -626,18 +645,21 @@ def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkey
     slots = {n: [t.clone() for t in layer.slot(0)] for n, layer in want_bank.layers.items()}
     want_bank.release()
 
-    copies = []
-    foreach_copy = torch._foreach_copy_
+    copies, scalings = [], []
+    foreach_copy, foreach_mul = torch._foreach_copy_, torch._foreach_mul_
     monkeypatch.setattr(writes.SlotCopies, "_crossing", lambda self: True)
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: copies.append(len(dst)) or
                         foreach_copy(dst, src, **kw))
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda ts, cs: scalings.append(
+        sum(t.is_contiguous() or t.t().is_contiguous() for t in ts) in (0, len(ts))) or foreach_mul(ts, cs))
     groups = []
     by_buffer = writes.SlotCopies._by_buffer
     monkeypatch.setattr(writes.SlotCopies, "_by_buffer", lambda self: (groups.append(g) or g for g in by_buffer(self)))
-    bank = SlotBank(model, max_loras=1)
+    bank = SlotBank(model, max_loras=2)  # two slots: a conv's slot B is columns of its row-major buffer
     bank.activate([(packed, 0.7)])
     assert len(groups) == len(buffers) and len(copies) <= 2 * len(groups), (len(groups), copies)
     assert sum(copies) == sum(len(c) for c, _ in groups)  # a call for the pairs whose strides agree, one for the rest
+    assert scalings == ([True, True] if model_dtype == torch.float32 else [])  # B's scales: dense ones, then convs'
     assert sum(len(c) + len(r) for c, r in groups) == 2 * len(bank.layers)
     for n, layer in bank.layers.items():
         assert all(torch.equal(got, ref) for got, ref in zip(layer.slot(0), slots[n], strict=True)), n
