@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +153,7 @@ def _pinned_bytes(n: int) -> torch.Tensor:
 
 
 def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor],
-          columns: set[int] = frozenset()) -> dict[int, torch.Tensor]:
+          columns: Set[int] = frozenset()) -> dict[int, torch.Tensor]:
     """Copies of `tensors` in buffers from `allocate`, each a power of two of bytes and filled before the next is
     made: `PIN_CHUNK` while the rest fills one, then the largest power of two the rest fills, so that a 6 MB
     adapter takes 4 + 2 MB rather than 8. Largest tensors first; the matrices whose ids are in `columns` are laid

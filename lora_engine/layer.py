@@ -182,8 +182,8 @@ class LayerSlots:
 
     def _new_b(self, make, columns: int, device: torch.device) -> torch.Tensor:
         """B [out, columns] from `make` (`torch.empty`, `torch.zeros`): a Linear's column-major (the transpose of
-        a [columns, out] buffer), so that each slot's columns are one dense block, which a column-major B from the
-        adapter (`LowRank`) fills in one contiguous copy and which zeroes at once; a conv's row-major, the 1×1
+        a [columns, out] buffer), so that each slot's columns are one dense block, which an adapter's column-major
+        B (`adapter._column_major`) fills in one contiguous copy and which zeroes at once; a conv's row-major, the 1×1
         conv weight it is used as."""
         out = self.geometry.out_features
         if self.geometry.conv_dims:
