@@ -6,7 +6,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -101,17 +101,15 @@ def _column_major(layers: dict[str, LayerPatch]) -> None:
     buffers (`LayerSlots._new_b`), where each slot's columns are one dense block: writing an adapter into its slot
     is then one contiguous copy per factor, where a row-major B would take `out` strided runs of r values at
     every activation."""
-    import dataclasses
-
     for lp in layers.values():
         up = _up(lp)
         if up is not None and not up.t().is_contiguous():
-            lp.weight = dataclasses.replace(lp.weight, up=up.t().contiguous().t())
+            lp.weight = replace(lp.weight, up=up.t().contiguous().t())
 
 
 def _up(lp: LayerPatch) -> torch.Tensor | None:
-    """The low-rank B of a layer patch, or None."""
-    return lp.weight.up if isinstance(lp.weight, LowRank) and lp.weight.up.dim() == 2 else None
+    """The low-rank B of a layer patch (a matrix: the parser flattens a conv's 1×1 B), or None."""
+    return lp.weight.up if isinstance(lp.weight, LowRank) else None
 
 
 PIN_CHUNK = 1 << 24  # bytes per pinned buffer (a power of two), unless one tensor is larger
@@ -125,8 +123,6 @@ def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] 
     262,144); the tensors are packed instead into a few buffers of `PIN_CHUNK` bytes and smaller powers of two
     for the rest (`_pack`). `allocate(nbytes)` makes one uint8 buffer (default: pinned). Where pinning fails (pinned
     memory exhausted), the adapter stays where it is, and its copies to the device block."""
-    import dataclasses
-
     allocate = allocate or _pinned_bytes
     tensors = {id(t): t for lp in layers.values() for t in lp.tensors() if t.numel() and not t.is_pinned()}
     ups = {id(up) for lp in layers.values() if (up := _up(lp)) is not None}
@@ -141,8 +137,8 @@ def _pin(layers: dict[str, LayerPatch], allocate: Callable[[int], torch.Tensor] 
 
     for lp in layers.values():
         if lp.weight is not None:
-            lp.weight = dataclasses.replace(lp.weight, **{
-                f.name: pinned(getattr(lp.weight, f.name)) for f in dataclasses.fields(lp.weight)
+            lp.weight = replace(lp.weight, **{
+                f.name: pinned(getattr(lp.weight, f.name)) for f in fields(lp.weight)
                 if isinstance(getattr(lp.weight, f.name), torch.Tensor)})
         lp.bias = pinned(lp.bias)
         lp.dora_scale = pinned(lp.dora_scale)
@@ -184,10 +180,8 @@ def _pack(tensors: list[torch.Tensor], allocate: Callable[[int], torch.Tensor],
 
 
 def _laid_out(flat: torch.Tensor, t: torch.Tensor, column_major: bool) -> torch.Tensor:
-    """`flat` viewed with `t`'s shape, column-major where asked or where `t` is."""
-    if t.dim() == 2 and (column_major or (t.t().is_contiguous() and not t.is_contiguous())):
-        return flat.view(t.shape[1], t.shape[0]).t()
-    return flat.view(t.shape)
+    """`flat` viewed with `t`'s shape, column-major where asked (a matrix)."""
+    return flat.view(t.shape[1], t.shape[0]).t() if column_major else flat.view(t.shape)
 
 
 def _pow2(n: int) -> int:

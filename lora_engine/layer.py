@@ -191,11 +191,11 @@ class LayerSlots:
         return make((columns, out), dtype=self.dtype, device=device).t()
 
     def columns_of_b(self, index: torch.Tensor) -> torch.Tensor:
-        """A copy of B's columns `index`, laid out as B is: a layer computes the same from a packed copy of its rows
-        as from its slot buffers (a GEMM's rounding may depend on its operands' layout)."""
-        if self.geometry.conv_dims:
-            return self.b.index_select(1, index)
-        return self.b.t().index_select(0, index).t()
+        """A copy of B's columns `index`, laid out as B is (`_new_b`): a layer computes the same from a packed copy
+        of its rows as from its slot buffers (a GEMM's rounding may depend on its operands' layout)."""
+        if self.b.stride(0) == 1:  # column-major
+            return self.b.t().index_select(0, index).t()
+        return self.b.index_select(1, index)
 
     def prepare(self, slot: int, plan: ModulePlan) -> None:
         """Before `plan` is written into a slot: zero the slot unless it is clean already or the write fills
