@@ -54,5 +54,5 @@ LOG=${OUT:-.}/compare_full.txt
 # Fused first application of 1 to 8 rank-32 LoRAs takes about 20 s at this size, and every change of
 # weight patches moves the model through host memory: one first application per k, 3 strength changes.
 timeout 460 "$PY" bench/compare.py --comfy .comfy --device cuda --dtype bf16 --full \
-    --repeat 3 --repeat-apply 1 "$@" 2>&1 | tee "$LOG"
+    --repeat 3 --repeat-apply 1 --repeat-apply-fused 1 "$@" 2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"
