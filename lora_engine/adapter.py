@@ -81,7 +81,12 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
     identity = FileIdentity.of(path)
     tensors, metadata = read_tensors(identity.path)
     if convert is not None:
-        tensors = convert(tensors)
+        try:
+            tensors = convert(tensors)
+        except (KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError) as e:
+            raise LoRAFormatError(f"the key converter failed on this file ({type(e).__name__}: {e})", path=path,
+                                  remedy="its keys look like a layout the converter knows, but some are missing or "
+                                         "malformed; the file is incomplete or not an adapter") from e
     parsed = parse_tensors(tensors, path, metadata)
     if not parsed.layers:
         sample = ", ".join(repr(k) for k in parsed.leftover[:3])

@@ -208,3 +208,27 @@ def test_unusable_paths_are_file_errors(tmp_path, name):
     for load in (load_adapter, default_cache().load):
         with pytest.raises(LoRAFileError):
             load(str(tmp_path / name))
+
+
+def test_a_converter_that_fails_on_a_file_is_a_format_error_naming_it(tmp_path):
+    """A host's key converter that half-recognises a file (ComfyUI's, on a BFL control LoRA whose B factors are
+    missing, raises KeyError) fails the load with a format error that names the file and what the converter
+    raised; a converter bug of another kind is not turned into one."""
+    from lora_engine import default_cache
+    path = good(tmp_path, "half_control.safetensors")
+
+    def convert(tensors):
+        return {**tensors, "img_in.lora_B.weight": tensors["img_in.lora_B.weight"]}
+
+    for load in (load_adapter, default_cache().load):
+        with pytest.raises(LoRAFormatError) as e:
+            load(path, convert=convert)
+        msg = str(e.value)
+        assert "half_control.safetensors" in msg and "KeyError" in msg and "img_in.lora_B.weight" in msg
+        assert isinstance(e.value.__cause__, KeyError)
+
+    def interrupted(tensors):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        load_adapter(path, convert=interrupted)
