@@ -86,6 +86,21 @@ def resolve(folder: str, name: object) -> str:
                         remedy="check the name, or refresh the node list after adding the file")
 
 
+def file_state(folder: str, names: Sequence[object]) -> str:
+    """What IS_CHANGED returns for a node that names files: each one's size and modification time, so that a
+    file replaced on disk runs the node, and every node after it, again (ComfyUI otherwise serves their cached
+    outputs, and the new file is read at the next change of an input). Stats only, never reads; a name that
+    does not resolve gives its error, which validation or the run reports."""
+    state = []
+    for name in names:
+        try:
+            st = os.stat(resolve(folder, name))
+            state.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+        except (LoRAFileError, OSError) as e:
+            state.append(f"{name}:{e}")
+    return "\n".join(state)
+
+
 def _convert(sd):
     return comfy.lora_convert.convert_lora(sd)
 
@@ -333,11 +348,14 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     """The MODEL and CLIP clones for one stack. A model strength may be a list: one value per batch item
     (the CLIP's per-item strengths are not supported). `shaping` holds each entry's schedule and block
     weights; the text encoder gets an entry's BASE block weight as a factor on its strength, and no
-    schedule. Raises before returning anything on any bad entry."""
-    if len(adapters) > max_loras:
-        names = ", ".join(a.name for a in adapters)
-        raise SlotLimitError(f"the stack has {len(adapters)} entries ({names}) but max_loras is {max_loras}",
+    schedule. A LoRA in the stack more than once takes one slot, at the sum of its strengths; `max_loras`
+    0 sizes the slots to the stack's distinct LoRAs. Raises before returning anything on any bad entry."""
+    distinct = {id(a): a for a in adapters}
+    if max_loras and len(distinct) > max_loras:
+        names = ", ".join(a.name for a in distinct.values())
+        raise SlotLimitError(f"the stack has {len(distinct)} LoRAs ({names}) but max_loras is {max_loras}",
                              remedy="raise max_loras (0 sizes it to the stack), or disable entries")
+    max_loras = max_loras or len(distinct)
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
     shaping = list(shaping) if shaping is not None else [None] * len(adapters)

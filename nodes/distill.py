@@ -149,6 +149,10 @@ class DistillFuse:
             },
         }
 
+    @classmethod
+    def IS_CHANGED(cls, unet_name=None, lora_name=None, **_):
+        return bridge.file_state("diffusion_models", [unet_name]) + "\n" + bridge.file_state("loras", [lora_name])
+
     def load(self, unet_name, weight_dtype, lora_name, strength, bake=False, bake_name="", overwrite=False):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")

@@ -94,7 +94,7 @@ class LoRAStrengthGrid:
             schedules = spec.shaped_table(start, stop, "schedule", own_schedules)
             blocks = spec.shaped_table(start, stop, "blocks", own_blocks)
             shaping = [None if s is None and b is None else bridge.Shaping(s, b) for s, b in zip(schedules, blocks)]
-            m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], len(items),
+            m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], 0,
                                       shaping)
             models.append(m)
             new_clip = c

@@ -30,8 +30,9 @@ class MultiLoRALoader:
                 "clip": ("CLIP", {"tooltip": "The text encoder; leave empty for a model-only stack."}),
                 "max_loras": ("INT", {"default": 0, "min": 0, "max": 64, "tooltip":
                                       "Slots to hold on the device. 0 sizes them to the stack. Zero-strength "
-                                      "entries count; disabled entries do not. A longer stack adds slots and "
-                                      "keeps the LoRAs already in theirs."}),
+                                      "entries count; disabled entries do not; a LoRA listed twice takes one "
+                                      "slot, at the sum of its strengths. A longer stack adds slots and keeps "
+                                      "the LoRAs already in theirs."}),
             },
         }
 
@@ -45,5 +46,5 @@ class MultiLoRALoader:
         adapters = bridge.load_loras([e.name for e in items])
         new_model, new_clip = bridge.apply_stack(
             model, clip, adapters, [e.strength_model for e in items], [e.strength_clip for e in items],
-            max_loras or len(items), [e.shaping() for e in items])
+            max_loras, [e.shaping() for e in items])
         return (new_model, new_clip)

@@ -102,6 +102,11 @@ class LoRAStackRows:
             optional.update(row_inputs(i, names))
         return {"required": {}, "optional": optional}
 
+    @classmethod
+    def IS_CHANGED(cls, **inputs):
+        return bridge.file_state("loras", [inputs.get(f"lora_{i}") for i in range(1, MAX_ROWS + 1)
+                                           if inputs.get(f"lora_{i}") not in (None, NONE)])
+
     def stack(self, lora_stack=None, single_strength=False, **rows):
         try:
             items = entries(lora_stack) + row_entries(rows, bool(single_strength))

@@ -114,11 +114,30 @@ class LoRAStack:
             },
         }
 
+    @classmethod
+    def IS_CHANGED(cls, lora_name=None, **_):
+        return bridge.file_state("loras", [lora_name])
+
     def stack(self, lora_name, strength_model, strength_clip, enabled=True, lora_stack=None):
-        items = entries(lora_stack)
+        try:
+            items = entries(lora_stack)
+        except StackError as e:
+            raise ValueError(str(e)) from None
         if enabled:
-            items.append(Entry(lora_name, float(strength_model), float(strength_clip)))
+            items.append(Entry(lora_name, _finite(strength_model, "strength_model", lora_name),
+                               _finite(strength_clip, "strength_clip", lora_name)))
         return (as_stack(items),)
+
+
+def _finite(v: object, field: str, name: str) -> float:
+    """A strength input as a float: a NaN passes ComfyUI's min and max checks, and a linked one none at all."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = math.nan
+    if not math.isfinite(f):
+        raise ValueError(f"{field} of {name} must be a finite number, got {v!r}")
+    return f
 
 
 FIELDS = {"name", "strength_model", "strength_clip", "enabled"}
@@ -130,6 +149,10 @@ def parse_json_stack(text: str) -> list[Entry]:
         doc = json.loads(text) if text.strip() else []
     except json.JSONDecodeError as e:
         raise StackError(f"stack_json is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise StackError("stack_json is not valid JSON: nested too deeply") from None
+    except ValueError:  # an integer of more digits than Python converts (4300 by default)
+        raise StackError("stack_json is not valid JSON: a number has more digits than can be read") from None
     items = doc if isinstance(doc, list) else [doc]
     out = []
     for i, obj in enumerate(items):
@@ -195,5 +218,17 @@ class LoRAStackFromJSON:
                 return f"stack_json entry {i}: field \"name\": no LoRA named {e.name!r} in the loras folders"
         return True
 
+    @classmethod
+    def IS_CHANGED(cls, stack_json=None, **_):
+        if not isinstance(stack_json, str):
+            return ""  # linked: the node before it runs again when its value changes
+        try:
+            return bridge.file_state("loras", [e.name for e in parse_json_stack(stack_json)])
+        except StackError as e:
+            return str(e)
+
     def stack(self, stack_json, lora_stack=None):
-        return (as_stack(entries(lora_stack) + parse_json_stack(stack_json)),)
+        try:
+            return (as_stack(entries(lora_stack) + parse_json_stack(stack_json)),)
+        except StackError as e:
+            raise ValueError(str(e)) from None

@@ -40,6 +40,9 @@ def bad_files(models_dir, tmp_path_factory):
     tensors[key] = tensors[key].clone()
     tensors[key].view(-1)[0] = float("nan")
     save_file(tensors, str(loras / "bad_nan.safetensors"))
+    # Keys ComfyUI's convert_lora takes for a BFL control LoRA, without the B factors it then reads.
+    save_file({"img_in.lora_A.weight": torch.zeros(4, 64), "single_blocks.0.norm.key_norm.scale": torch.ones(128)},
+              str(loras / "bad_half_control.safetensors"))
     outside = tmp_path_factory.mktemp("outside") / "escaped.safetensors"
     outside.write_bytes(good)
     os.symlink(outside, loras / "bad_symlink_escape.safetensors")
@@ -60,6 +63,26 @@ def expected(server, ours):
 
 def with_first_entry(ours, name):
     return wf.set_entry(ours, GOOD, lora_name=name)
+
+
+def json_stack(ours, text, linked):
+    """The stack from LoRAStackFromJSON, its text a literal (validated before execution) or from a string node."""
+    p = {k: v for k, v in copy.deepcopy(ours).items() if v["class_type"] != "LoRAStack"}
+    p["41"] = {"class_type": "LoRAStackFromJSON", "inputs": {"stack_json": ["40", 0] if linked else text}}
+    if linked:
+        p["40"] = {"class_type": "PrimitiveString", "inputs": {"value": text}}
+    p[LOADER]["inputs"]["lora_stack"] = ["41", 0]
+    return p
+
+
+def stack_node(prompt, name):
+    """The id of the LoRAStack node of the entry `name`."""
+    return next(k for k, v in prompt.items() if v["class_type"] == "LoRAStack" and v["inputs"]["lora_name"] == name)
+
+
+GOOD_NODE = stack_node(wf.small(wf.load("multilora_api.json")), GOOD)
+DEEP_JSON = "[" * 100000 + "]" * 100000
+LONG_INT = json.dumps([{"name": GOOD, "strength_model": 0}]).replace("0}", "9" * 5000 + "}")
 
 
 def json_stack_from_string_node(ours, names):
@@ -94,6 +117,14 @@ EXECUTION_ERRORS = [
      ["longer than"]),
     ("missing file through a linked string", lambda o: json_stack_from_string_node(o, ["nope.safetensors"]),
      ["nope.safetensors", "no file named"]),
+    ("a BFL control LoRA without its B factors", lambda o: with_first_entry(o, "bad_half_control.safetensors"),
+     ["bad_half_control.safetensors", "key converter", "KeyError", "img_in.lora_B.weight"]),
+    ("NaN strength", lambda o: wf.set_entry(o, GOOD, strength_model=float("nan")),
+     [f"node {GOOD_NODE} (LoRAStack) raised", "strength_model", GOOD, "finite", "nan"]),
+    ("JSON nested too deeply through a linked string", lambda o: json_stack(o, DEEP_JSON, linked=True),
+     ["(LoRAStackFromJSON) raised", "not valid JSON", "nested too deeply"]),
+    ("JSON integer of 5000 digits through a linked string", lambda o: json_stack(o, LONG_INT, linked=True),
+     ["(LoRAStackFromJSON) raised", "not valid JSON: a number has more digits"]),
 ]
 
 
@@ -123,6 +154,9 @@ VALIDATION_ERRORS = [
                                      LOADER: {**o[LOADER], "inputs": {**o[LOADER]["inputs"],
                                                                        "lora_stack": ["40", 0]}}},
      "nope.safetensors"),
+    ("json nested too deeply", lambda o: json_stack(o, DEEP_JSON, linked=False), "not valid JSON: nested too deeply"),
+    ("json integer of 5000 digits", lambda o: json_stack(o, LONG_INT, linked=False),
+     "not valid JSON: a number has more digits"),
 ]
 
 

@@ -133,6 +133,24 @@ def test_never_twice(server, images):
     assert np.array_equal(one(server, distill()), images["ours"])
 
 
+def test_a_lora_file_replaced_on_disk_is_fused_when_the_prompt_is_queued_again(server, images, models_dir):
+    """ComfyUI would serve the fused model it cached; DistillFuse reports its files' sizes and modification
+    times (IS_CHANGED), so the same prompt queued again loads the base again and fuses the new file, once."""
+    loras = models_dir / "loras"
+    other = synth.LORA_NAMES["peft"]
+    replaced, reference = loras / "distill_replaced.safetensors", loras / "distill_reference.safetensors"
+    place(loras / LORA, replaced)
+    place(loras / other, reference)  # the content `replaced` gets
+    assert np.array_equal(one(server, distill(lora=replaced.name)), images["ours"])
+    old = os.stat(replaced)
+    (loras / "replacing.tmp").write_bytes((loras / other).read_bytes())
+    os.utime(loras / "replacing.tmp", ns=(old.st_atime_ns, old.st_mtime_ns + 10**9))
+    os.replace(loras / "replacing.tmp", replaced)
+    after = one(server, distill(lora=replaced.name))
+    assert mad(after, images["ours"]) > 1.0
+    assert np.array_equal(after, one(server, distill(lora=reference.name)))
+
+
 def test_bake_round_trip_and_its_metadata_prevents_refusion(server, images, models_dir):
     name = "synth_sd15_unet_baked.safetensors"
     target = models_dir / "diffusion_models" / name

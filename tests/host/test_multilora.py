@@ -18,6 +18,9 @@ effect must be at least 10× larger than that tolerance.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -208,6 +211,64 @@ def test_more_slots_keep_the_adapters_where_they_are(server, ours, reference):
         assert [x and x["name"] for x in bank["slots"][:old["max_loras"]]] == [x and x["name"] for x in old["slots"]]
 
 
+def test_a_lora_listed_more_than_once_takes_one_slot_at_the_sum_of_its_strengths(server, ours):
+    name = NAMES[0]
+
+    def listed(strengths, max_loras):
+        p = {k: v for k, v in copy.deepcopy(ours).items() if v["class_type"] != "LoRAStack"}
+        text = json.dumps([{"name": name, "strength_model": s, "strength_clip": s} for s in strengths])
+        p["40"] = {"class_type": "LoRAStackFromJSON", "inputs": {"stack_json": text}}
+        p[LOADER]["inputs"].update(lora_stack=["40", 0], max_loras=max_loras)
+        return p
+
+    once = one(server, listed([1.0], 1))
+    assert np.array_equal(one(server, listed([0.5, 0.25, 0.25], 1)), once)  # sums exactly to 1.0
+    held = max(b["max_loras"] for b in status(server)["banks"])
+    one(server, listed([1 / 20] * 20, 0))  # 0: slots sized to the stack's distinct LoRAs
+    banks = status(server)["banks"]
+    assert max(b["max_loras"] for b in banks) == held, [(b["model"], b["max_loras"]) for b in banks]
+
+
+def stack_as(prompt: dict, kind: str) -> dict:
+    """`prompt` with its chain of LoRAStack nodes made into one node of `kind` holding the same entries."""
+    if kind == "LoRAStack":
+        return prompt
+    p = copy.deepcopy(prompt)
+    entries = wf.stack_entries(p, LOADER)
+    for nid in [k for k, v in p.items() if v["class_type"] == "LoRAStack"]:
+        del p[nid]
+    if kind == "LoRAStackFromJSON":
+        inputs = {"stack_json": json.dumps([{"name": n, "strength_model": sm, "strength_clip": sc, "enabled": en}
+                                            for n, sm, sc, en in entries])}
+    else:
+        inputs = {}
+        for i, (n, sm, sc, en) in enumerate(entries, 1):
+            inputs.update({f"lora_{i}": n, f"strength_model_{i}": sm, f"strength_clip_{i}": sc, f"enabled_{i}": en})
+    p["40"] = {"class_type": kind, "inputs": inputs}
+    p[LOADER]["inputs"]["lora_stack"] = ["40", 0]
+    return p
+
+
+@pytest.mark.parametrize("kind", ["LoRAStack", "LoRAStackFromJSON", "LoRAStackRows"])
+def test_a_lora_file_replaced_on_disk_is_read_when_the_prompt_is_queued_again(server, models_dir, ours, kind):
+    """The same prompt queued after a LoRA file was replaced runs with the new file: the nodes that name files
+    report each one's size and modification time to ComfyUI (IS_CHANGED), which would otherwise serve their
+    cached outputs."""
+    loras = models_dir / "loras"
+    replaced, reference = loras / f"replaced_{kind}.safetensors", loras / f"reference_{kind}.safetensors"
+    shutil.copyfile(loras / NAMES[0], replaced)
+    shutil.copyfile(loras / NAMES[1], reference)  # the content `replaced` gets
+    prompt = stack_as(wf.set_entry(ours, NAMES[0], lora_name=replaced.name), kind)
+    before = one(server, prompt)
+    old = os.stat(replaced)
+    shutil.copyfile(loras / NAMES[1], loras / "replacing.tmp")
+    os.utime(loras / "replacing.tmp", ns=(old.st_atime_ns, old.st_mtime_ns + 10**9))
+    os.replace(loras / "replacing.tmp", replaced)
+    after = one(server, prompt)
+    assert mad(after, before) > 1.0
+    assert np.array_equal(after, one(server, stack_as(wf.set_entry(ours, NAMES[0], lora_name=reference.name), kind)))
+
+
 def test_seed_only_rerun_reads_no_file(server, ours):
     one(server, ours)
     before = status(server)
@@ -223,7 +284,6 @@ def test_stack_from_json_equals_the_chained_nodes(server, ours, reference):
     entries = wf.stack_entries(p, LOADER)
     for nid in [k for k, v in p.items() if v["class_type"] == "LoRAStack"]:
         del p[nid]
-    import json
     text = json.dumps([{"name": n, "strength_model": sm, "strength_clip": sc, "enabled": en}
                        for n, sm, sc, en in entries])
     p["40"] = {"class_type": "LoRAStackFromJSON", "inputs": {"stack_json": text}}
