@@ -104,6 +104,7 @@ class Axis:
     label: str  # the entry's name, as shown on the grid
     values: tuple  # strengths, BlockWeights or Schedules
     kind: str = "strength"
+    name: str = ""  # the axis as the user named it ("x", "y" or "z"); the grid lays out the axes in use in order
 
 
 def find_entry(names: list[str], ref: str, axis: str) -> int:
@@ -178,7 +179,8 @@ class Grid:
 
     def describe(self) -> dict:
         return {"names": self.names, "base": self.base,
-                "axes": [{"entry": a.entry, "label": a.label if a.kind == "strength" else f"{a.label} {a.kind}",
+                "axes": [{"entry": a.entry, "axis": a.name,
+                          "label": a.label if a.kind == "strength" else f"{a.label} {a.kind}",
                           "kind": a.kind, "values": [v if a.kind == "strength" else label(v) for v in a.values]}
                          for a in self.axes],
                 "shape": list(self.shape)}
@@ -198,7 +200,7 @@ def build(names: list[str], base: list[float], axes: list[tuple[str, str, str]])
         if (i, kind) in used:
             raise GridError(f"{axis}: the {kind} of entry {names[i]!r} is already varied by {used[i, kind]}")
         used[i, kind] = axis
-        grid.axes.append(Axis(i, names[i], tuple(values), kind))
+        grid.axes.append(Axis(i, names[i], tuple(values), kind, axis.split()[0]))
     if not grid.axes:
         raise GridError("no axis: name a stack entry and its values for at least one axis")
     if grid.cells > MAX_CELLS:

@@ -39,6 +39,7 @@ from lora_engine import (
 )
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ShapingError
+from lora_engine.grid import GridError
 from lora_engine.schedule import Schedule, step_progress
 from lora_engine.slots import Entry
 
@@ -248,30 +249,42 @@ def current_stack(patcher) -> Stack | None:
 
 def with_stack(patcher, clone, root, entries: list[Entry], slots: int, kind: str):
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`. A stack with a
-    schedule also gets the wrapper that tells the bank the sampling progress at every model call."""
+    schedule or with per-item strengths also gets a wrapper around every model call (`ModelCallWrapper`)."""
     prior = current_stack(patcher)
     merged = list(prior.entries) + entries if prior else entries
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
     clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root)])
     if kind == "unet":
         clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
-        if any(e.schedule is not None for e in merged):
+        scheduled = any(e.schedule is not None for e in merged)
+        items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
+        if scheduled or items:
             clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-                                       ProgressWrapper(root))
+                                       ModelCallWrapper(root, scheduled, items))
     return clone
 
 
-class ProgressWrapper:
-    """An APPLY_MODEL wrapper: sets the bank's sampling progress from the call's sigma, then runs the model."""
+class ModelCallWrapper:
+    """An APPLY_MODEL wrapper. With a schedule, it sets the bank's sampling progress from the call's sigma. With
+    per-item strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the
+    call's batch has that many items: a latent of another batch would otherwise spread the cells over the cond
+    and uncond chunks instead, and sample wrong images without an error."""
 
-    def __init__(self, root):
+    def __init__(self, root, scheduled: bool = True, items: int = 0):
         self.root = root
+        self.scheduled = scheduled
+        self.items = items
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
                  **kwargs):
         transformer_options = {} if transformer_options is None else transformer_options
+        chunks = len(transformer_options.get("cond_or_uncond") or ())
+        if self.items and chunks and x.shape[0] != self.items * chunks:
+            raise GridError(f"this model holds per-item LoRA strengths for {self.items} grid cells, but it is "
+                            f"sampled with {x.shape[0] // chunks} latent item(s) per condition; connect the latent "
+                            "output of the same LoRAStrengthGrid to the sampler")
         bank = self.root.__dict__.get("_lora_engine_bank")
-        if bank is not None:
+        if bank is not None and self.scheduled:
             bank.set_progress(sampling_progress(self.root, t, transformer_options))
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
@@ -359,6 +372,11 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
     shaping = list(shaping) if shaping is not None else [None] * len(adapters)
+    for adapter in distinct.values():  # the engine refuses it too, but only when the model is loaded to sample
+        listed = [s for a, s in zip(adapters, shaping) if a is adapter]
+        if len(listed) > 1 and any(s is not None for s in listed):
+            raise ShapingError(f"{adapter.name} appears {len(listed)} times in the stack and an entry of it has a "
+                               "schedule or block weights", path=adapter.path, remedy="keep one entry for this LoRA")
     model_entries, clip_entries = [], []
     for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
         on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists

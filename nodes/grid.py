@@ -63,11 +63,19 @@ class LoRAStrengthGrid:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **kw):
+    def VALIDATE_INPUTS(cls, x_entry=None, x_values=None, y_entry=None, y_values=None, z_entry=None,
+                        z_values=None):
+        """The axis texts only: ComfyUI skips its own checks of the inputs named here (of all of them, for a
+        `**kwargs` signature), so `max_batch` keeps its range check. A linked input arrives as None."""
         from lora_engine.grid import parse_axis
+        given = {"x_entry": x_entry, "x_values": x_values, "y_entry": y_entry, "y_values": y_values,
+                 "z_entry": z_entry, "z_values": z_values}
+        for name, v in given.items():
+            if v is not None and not isinstance(v, str):
+                return f"{name} must be text, got {v!r}"
         for a in AXES:
-            ref, text = kw.get(f"{a}_entry"), kw.get(f"{a}_values")
-            if isinstance(ref, str) and isinstance(text, str) and ref.strip():
+            ref, text = given[f"{a}_entry"], given[f"{a}_values"]
+            if ref is not None and text is not None and ref.strip():
                 try:
                     parse_axis(text, f"{a} axis")
                 except GridError as e:
@@ -163,7 +171,7 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     line = size + pad
     varied = {a["entry"] for a in desc["axes"] if a.get("kind", "strength") == "strength"}
     fixed = [f"{n} @ {_label(s)}" for i, (n, s) in enumerate(zip(desc["names"], desc["base"])) if i not in varied]
-    title = "   |   ".join(f"{k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
+    title = "   |   ".join(f"{a.get('axis') or k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
     header = [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])
     panel_h = line + y * h
     top = len(header) * line + pad

@@ -86,9 +86,15 @@ class LoRAStrengthSchedule:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, keyframes=None, interpolation=None, **_):
+    def VALIDATE_INPUTS(cls, keyframes=None, interpolation=None):
+        """Only the inputs it checks are named: ComfyUI skips its own checks of those it passes here (all of
+        them, for a `**kwargs` signature). A linked input arrives as None and is checked when the node runs."""
         keyframes, interpolation = _first(keyframes), _first(interpolation)  # lists: INPUT_IS_LIST
-        if isinstance(keyframes, str) and isinstance(interpolation, str):
+        if interpolation is not None and interpolation not in MODES:
+            return f"interpolation must be one of {', '.join(MODES)}, got {interpolation!r}"
+        if keyframes is not None and not isinstance(keyframes, str):
+            return f"keyframes must be text, got {keyframes!r}"
+        if keyframes is not None and interpolation is not None:
             try:
                 Schedule.parse(keyframes, interpolation)
             except ShapingError as e:
@@ -139,8 +145,13 @@ class LoRABlockWeights:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, preset=None, weights=None, **_):
-        if preset == "custom" and isinstance(weights, str):
+    def VALIDATE_INPUTS(cls, preset=None, weights=None):
+        """As LoRAStrengthSchedule's: the two inputs it checks, and ComfyUI checks the others."""
+        if preset is not None and preset not in PRESETS:
+            return f"preset must be one of {', '.join(PRESETS)}, got {preset!r}"
+        if weights is not None and not isinstance(weights, str):
+            return f"weights must be text, got {weights!r}"
+        if preset == "custom" and weights is not None:
             try:
                 BlockWeights.parse(weights)
             except ShapingError as e:

@@ -59,6 +59,18 @@ def test_cells_strengths_and_chunks():
     assert g.chunks(4) == [(0, 4), (4, 6)] and g.chunks(100) == [(0, 6)]
 
 
+@pytest.mark.parametrize("used,names,shape", [
+    ({"z": "0, 1"}, ["z"], (2, 1, 1)),
+    ({"x": "0, 1", "z": "0:1:0.5"}, ["x", "z"], (2, 3, 1)),
+    ({"y": "0, 1"}, ["y"], (2, 1, 1)),
+])
+def test_the_axes_in_use_are_laid_out_in_order_and_keep_their_names(used, names, shape):
+    axes = [(f"{a} axis", f"#{i + 1}" if a in used else "", used.get(a, "")) for i, a in enumerate("xyz")]
+    g = build(NAMES, [1, 1, 1], axes)
+    assert g.shape == shape
+    assert [a["axis"] for a in g.describe()["axes"]] == names
+
+
 def test_grid_errors():
     with pytest.raises(GridError, match="already varied"):
         build(NAMES, [1, 1, 1], [("x", "#1", "0"), ("y", "#1", "1")])

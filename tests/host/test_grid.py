@@ -106,6 +106,7 @@ def test_split_batches_give_the_same_grid(server, grid_prompt, grid_run, batchin
     ("x_values", "0, abc", "'abc'"),
     ("y_values", "", "no values"),
     ("y_entry", "#1", "already varied"),
+    ("max_batch", -5, "smaller than min"),
 ])
 def test_bad_axis_fails_before_sampling(server, grid_prompt, field, value, text):
     p = copy.deepcopy(grid_prompt)
@@ -113,3 +114,15 @@ def test_bad_axis_fails_before_sampling(server, grid_prompt, field, value, text)
     with pytest.raises((ComfyPromptError, ComfyExecutionError)) as e:
         server.run(p)
     assert text in str(e.value)
+
+
+def test_a_grid_model_sampled_with_another_latent_fails_at_sampling(server, grid_prompt):
+    """Two cells sampled from a one-item latent: the cond and uncond chunks would each get one cell's strengths."""
+    p = copy.deepcopy(grid_prompt)
+    p["5"]["inputs"].update(x_values="0, 1", y_entry="", y_values="")
+    p["8"]["inputs"]["latent_image"] = ["4", 0]
+    for node in ("10", "11"):
+        p.pop(node)
+    with pytest.raises(ComfyExecutionError) as e:
+        server.run(p)
+    assert "per-item LoRA strengths for 2 grid cells" in str(e.value) and "1 latent item" in str(e.value)

@@ -161,11 +161,25 @@ def test_grid_axes_over_blocks_and_schedules(server, plain, record_property):
     ("LoRAStrengthSchedule", {"keyframes": "0:1, 0.5", "interpolation": "linear"}, "progress:multiplier"),
     ("LoRAStrengthSchedule", {"keyframes": "0.8:1, 0.2:0", "interpolation": "linear"}, "increasing"),
     ("LoRABlockWeights", {"preset": "custom", "weights": "IN04=x"}, "NAME=value"),
+    ("LoRAStrengthSchedule", {"keyframes": "0:1", "interpolation": "cubic"}, "interpolation must be one of"),
+    ("LoRABlockWeights", {"preset": 5, "weights": ""}, "preset must be one of"),
+    ("LoRABlockWeights", {"preset": "BOGUS", "weights": ""}, "preset must be one of"),
 ])
 def test_malformed_text_fails_validation(server, node, inputs, words):
     p = graph({**entry(), "s1": {"class_type": node, "inputs": {"lora_stack": ["s0", 0], "entry": "", **inputs}}})
     with pytest.raises(ComfyPromptError, match=words):
         server.run(p)
+
+
+def test_a_schedule_on_a_lora_listed_twice_is_refused_by_the_loader(server, plain):
+    stack = {**entry(strength=0.5),
+             "s1": {"class_type": "LoRAStack", "inputs": {"lora_stack": ["s0", 0], "lora_name": STYLE,
+                                                          "strength_model": 0.5, "strength_clip": 0.0}},
+             "s2": {"class_type": "LoRAStrengthSchedule", "inputs": {"lora_stack": ["s1", 0], "entry": "#2",
+                                                                     "keyframes": "0:1", "interpolation": "step"}}}
+    with pytest.raises(ComfyExecutionError, match=r"node 20 \(MultiLoRALoader\) raised .*appears 2 times"):
+        server.run(graph(stack))
+    assert np.array_equal(server.run(graph(entry()))[0], plain[1.0])
 
 
 def test_vector_of_the_wrong_length_is_refused_before_sampling(server, plain):
