@@ -169,6 +169,17 @@ def _binding(adapter: Adapter, root, kind: str):
         return None
 
 
+def reaches_model(adapter: Adapter, model) -> bool:
+    """`adapter` has layers on the diffusion model of `model` (a ModelPatcher), not only on a text encoder."""
+    return _binding(adapter, model.model, "unet") is not None
+
+
+def applied(model) -> list[Adapter]:
+    """The adapters a MultiLoRALoader (or another grid) before this point already applies to `model`."""
+    stack = current_stack(model)
+    return [e.adapter for e in stack.entries] if stack else []
+
+
 REPORTS: dict[str, dict] = {}  # fingerprint -> the last combined match report, for the status route
 _REPORTS_KEPT = 256
 

@@ -92,6 +92,16 @@ class LoRAStrengthGrid:
         except (StackError, GridError) as e:
             raise ValueError(str(e)) from None
         adapters = bridge.load_loras([e.name for e in items])
+        before = {id(a) for a in bridge.applied(model)}
+        for e, a in zip(items, adapters):
+            if id(a) in before:
+                raise ValueError(f"{e.name} is already applied to this model by a loader before the grid, so every "
+                                 "cell would add its strength to that one and its labels would be wrong; connect "
+                                 "the grid to the model before the loader, or leave the LoRA out of one of them")
+        for axis in spec.axes:  # per-item strengths, block weights and schedules act on the model alone
+            if not bridge.reaches_model(adapters[axis.entry], model):
+                raise ValueError(f"{axis.name} axis: {axis.label} has no layers on the diffusion model, so its "
+                                 "cells would all be the same image; vary an entry that reaches the model")
         samples = latent["samples"][:1]
         per_batch = min(max_batch, bridge.cells_that_fit(model, samples))
         models, latents = [], []

@@ -109,7 +109,9 @@ class LoRAStackRows:
 
     def stack(self, lora_stack=None, single_strength=False, **rows):
         try:
-            items = entries(lora_stack) + row_entries(rows, bool(single_strength))
+            own = row_entries(rows, bool(single_strength))
+            items = entries(lora_stack) + own
         except StackError as e:
             raise ValueError(str(e)) from None
-        return (as_stack(items),)
+        named = any(rows.get(f"lora_{i}") not in (None, "", NONE) for i in range(1, MAX_ROWS + 1))
+        return (as_stack(items, last_left_out=named and not own),)

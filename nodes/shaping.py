@@ -14,10 +14,11 @@ from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError, find_entry
 from lora_engine.schedule import MODES, Schedule
 
-from .stack import CATEGORY, StackError, as_stack, entries
+from .stack import CATEGORY, StackError, as_stack, entries, last_left_out
 
 ENTRY = ("STRING", {"default": "", "tooltip": "The stack entry to shape: its file name, its name without "
-                    "extension, or its position (#1 is the first). Empty: the last entry, the one just added."})
+                    "extension, or its position (#1 is the first). Empty: the last entry, the one just added; "
+                    "when the node before left its LoRA out (disabled), nothing is shaped."})
 PRESETS = ("custom", "ALL", "NONE", "IN", "NO-IN", "MID", "NO-MID", "OUT", "NO-OUT", "DOUBLE", "NO-DOUBLE",
            "SINGLE", "NO-SINGLE", "FIRST-HALF", "SECOND-HALF")
 
@@ -103,6 +104,8 @@ class LoRAStrengthSchedule:
 
     def schedule(self, lora_stack, entry, keyframes, interpolation, values=None):
         stack, ref, text, mode = (_first(v) for v in (lora_stack, entry, keyframes, interpolation))
+        if not (ref or "").strip() and last_left_out(stack):
+            return (stack,)  # the entry just added was left out, and its schedule with it
         try:
             items = entries(stack)
             numbers = _floats(values)
@@ -159,6 +162,8 @@ class LoRABlockWeights:
         return True
 
     def weights(self, lora_stack, entry, preset, weights):
+        if not (entry or "").strip() and last_left_out(lora_stack):
+            return (lora_stack,)  # the entry just added was left out, and its block weights with it
         try:
             items = entries(lora_stack)
             spec = BlockWeights.parse(weights if preset == "custom" else preset)

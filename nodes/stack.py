@@ -84,9 +84,23 @@ def entries(stack) -> list[Entry]:
     return out
 
 
-def as_stack(items: list[Entry]) -> list[tuple[str, float, float]]:
-    return [(e.name, e.strength_model, e.strength_clip) if e.shaping() is None else
-            StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks) for e in items]
+class Stack(list):
+    """A LORA_STACK list (other packs see a list) that knows when the node making it left its own entries out."""
+
+    last_left_out = False
+
+
+def as_stack(items: list[Entry], last_left_out: bool = False) -> list[tuple[str, float, float]]:
+    """The LORA_STACK of `items`. `last_left_out`: the node that makes it added no entry of its own, being
+    disabled, so a shaping node meant for "the one just added" (its entry empty) has nothing to shape."""
+    out = Stack((e.name, e.strength_model, e.strength_clip) if e.shaping() is None else
+                StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks) for e in items)
+    out.last_left_out = last_left_out
+    return out
+
+
+def last_left_out(stack) -> bool:
+    return bool(getattr(stack, "last_left_out", False))
 
 
 class LoRAStack:
@@ -126,7 +140,7 @@ class LoRAStack:
         if enabled:
             items.append(Entry(lora_name, _finite(strength_model, "strength_model", lora_name),
                                _finite(strength_clip, "strength_clip", lora_name)))
-        return (as_stack(items),)
+        return (as_stack(items, last_left_out=not enabled),)
 
 
 def _finite(v: object, field: str, name: str) -> float:

@@ -126,3 +126,26 @@ def test_a_grid_model_sampled_with_another_latent_fails_at_sampling(server, grid
     with pytest.raises(ComfyExecutionError) as e:
         server.run(p)
     assert "per-item LoRA strengths for 2 grid cells" in str(e.value) and "1 latent item" in str(e.value)
+
+
+def test_an_axis_on_a_text_encoder_only_lora_fails_before_sampling(server, grid_prompt, models_dir):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(models_dir / "loras" / STYLE))
+    te_only = {k: v for k, v in tensors.items() if k.startswith("lora_te")}
+    assert te_only and len(te_only) < len(tensors)
+    save_file(te_only, str(models_dir / "loras" / "grid_te_only.safetensors"))
+    p = copy.deepcopy(grid_prompt)
+    p["2"]["inputs"]["lora_name"] = "grid_te_only.safetensors"
+    with pytest.raises(ComfyExecutionError) as e:
+        server.run(p)
+    assert "x axis: grid_te_only.safetensors has no layers on the diffusion model" in str(e.value)
+
+
+def test_a_lora_a_loader_already_applies_is_refused_by_the_grid(server, grid_prompt):
+    p = copy.deepcopy(grid_prompt)
+    p["20"] = {"class_type": "MultiLoRALoader", "inputs": {"model": ["1", 0], "lora_stack": ["2", 0],
+                                                           "max_loras": 0}}
+    p["5"]["inputs"]["model"] = ["20", 0]
+    with pytest.raises(ComfyExecutionError) as e:
+        server.run(p)
+    assert f"{STYLE} is already applied to this model by a loader before the grid" in str(e.value)

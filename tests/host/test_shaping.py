@@ -182,6 +182,22 @@ def test_a_schedule_on_a_lora_listed_twice_is_refused_by_the_loader(server, plai
     assert np.array_equal(server.run(graph(entry()))[0], plain[1.0])
 
 
+@pytest.mark.parametrize("disabled", ["LoRAStack", "LoRAStackRows"])
+def test_an_empty_entry_after_a_disabled_lora_shapes_nothing(server, plain, disabled):
+    """"The one just added" was left out, and its schedule and block weights with it, not put on the entry
+    before it."""
+    other = synth.LORA_NAMES["locon"]
+    off = ({"lora_name": other, "strength_model": 1.0, "strength_clip": 0.0, "enabled": False}
+           if disabled == "LoRAStack" else {"lora_1": other, "enabled_1": False})
+    stack = {**entry(),
+             "s1": {"class_type": disabled, "inputs": {"lora_stack": ["s0", 0], **off}},
+             "s2": {"class_type": "LoRAStrengthSchedule", "inputs": {"lora_stack": ["s1", 0], "entry": "",
+                                                                     "keyframes": "0:0", "interpolation": "step"}},
+             "s3": {"class_type": "LoRABlockWeights", "inputs": {"lora_stack": ["s2", 0], "entry": "",
+                                                                 "preset": "NONE", "weights": ""}}}
+    assert np.array_equal(server.run(graph(stack))[0], plain[1.0])
+
+
 def test_vector_of_the_wrong_length_is_refused_before_sampling(server, plain):
     with pytest.raises(ComfyExecutionError, match=r"block vector has 3 values; expected \d+ \(BASE and the"):
         server.run(graph(weighted("custom", "1,0,1")))
