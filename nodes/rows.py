@@ -113,5 +113,6 @@ class LoRAStackRows:
             items = entries(lora_stack) + own
         except StackError as e:
             raise ValueError(str(e)) from None
-        named = any(rows.get(f"lora_{i}") not in (None, "", NONE) for i in range(1, MAX_ROWS + 1))
-        return (as_stack(items, last_left_out=named and not own),)
+        named = any(isinstance(n, str) and n.strip() not in ("", NONE)
+                    for n in (rows.get(f"lora_{i}") for i in range(1, MAX_ROWS + 1)))
+        return (as_stack(items, left_out=named and not own),)

@@ -90,12 +90,12 @@ class Stack(list):
     last_left_out = False
 
 
-def as_stack(items: list[Entry], last_left_out: bool = False) -> list[tuple[str, float, float]]:
-    """The LORA_STACK of `items`. `last_left_out`: the node that makes it added no entry of its own, being
+def as_stack(items: list[Entry], left_out: bool = False) -> list[tuple[str, float, float]]:
+    """The LORA_STACK of `items`. `left_out`: the node that makes it added no entry of its own, being
     disabled, so a shaping node meant for "the one just added" (its entry empty) has nothing to shape."""
     out = Stack((e.name, e.strength_model, e.strength_clip) if e.shaping() is None else
                 StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks) for e in items)
-    out.last_left_out = last_left_out
+    out.last_left_out = left_out
     return out
 
 
@@ -140,7 +140,7 @@ class LoRAStack:
         if enabled:
             items.append(Entry(lora_name, _finite(strength_model, "strength_model", lora_name),
                                _finite(strength_clip, "strength_clip", lora_name)))
-        return (as_stack(items, last_left_out=not enabled),)
+        return (as_stack(items, left_out=not enabled),)
 
 
 def _finite(v: object, field: str, name: str) -> float:
