@@ -181,16 +181,7 @@ class SlotBank:
         """Make exactly these adapters active, at these strengths. All-or-nothing: a bad adapter
         raises before any slot changes."""
         with self.lock:
-            merged: dict[int, Entry] = {}
-            for item in entries:
-                e = item if isinstance(item, Entry) else Entry(*item)
-                prev = merged.get(id(e.adapter))
-                if prev is not None and (prev.shaped or e.shaped):
-                    raise ShapingError(f"{e.adapter.name} appears twice in the stack and one entry has a schedule "
-                                       "or block weights", path=e.adapter.path,
-                                       remedy="keep one entry for this LoRA")
-                merged[id(e.adapter)] = e if prev is None else Entry(
-                    e.adapter, _add_strength(prev.strength, e.strength))
+            merged = merge(entries)
             wanted = [e.adapter for e in merged.values()]
             if len(wanted) > self.max_loras:
                 names = ", ".join(a.name for a in wanted)
@@ -454,6 +445,20 @@ def all_banks() -> list[SlotBank]:
     with _BANKS_LOCK:
         banks = list(_BANKS)
     return [b for b in banks if b.layers or any(a is not None for a in b.slots)]
+
+
+def merge(entries: Iterable[Entry | tuple[Adapter, Strength]]) -> dict[int, Entry]:
+    """The entries of one activation, one per adapter (by id): an adapter listed more than once gets the sum of
+    its strengths, and is refused when one of its entries has a schedule or layer weights (a `ShapingError`)."""
+    merged: dict[int, Entry] = {}
+    for item in entries:
+        e = item if isinstance(item, Entry) else Entry(*item)
+        prev = merged.get(id(e.adapter))
+        if prev is not None and (prev.shaped or e.shaped):
+            raise ShapingError(f"{e.adapter.name} appears twice in the stack and one entry has a schedule "
+                               "or block weights", path=e.adapter.path, remedy="keep one entry for this LoRA")
+        merged[id(e.adapter)] = e if prev is None else Entry(e.adapter, _add_strength(prev.strength, e.strength))
+    return merged
 
 
 def _add_strength(a: Strength, b: Strength) -> torch.Tensor:

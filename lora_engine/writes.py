@@ -119,10 +119,11 @@ class SlotCopies:
         """Make the copies (without blocking, where the source is pinned), then scale; returns the bytes written."""
         if self._crossing():  # a call is one kernel on a GPU where all its tensors are dense and laid out alike:
             for copies, rounded in self._by_buffer():
-                _make([p for p in copies if p[0].stride() == p[1].stride()], rounded)
-                _make([p for p in copies if p[0].stride() != p[1].stride()], [])  # a conv's row-major B
-            for block in (True, False):  # a conv's B is columns of a row-major buffer
-                scaled = [(t, c) for t, c in zip(self.scaled, self.scales) if _one_block(t) == block]
+                alike, other = _split(copies, lambda p: p[0].stride() == p[1].stride())
+                _make(alike, rounded)
+                _make(other, [])  # a conv's row-major B
+            # B's scales: dense slot blocks in one call, a conv's columns of its row-major buffer in another
+            for scaled in _split(zip(self.scaled, self.scales), lambda p: _one_block(p[0])):
                 if scaled:
                     torch._foreach_mul_([t for t, _ in scaled], [c for _, c in scaled])
             return self.nbytes
@@ -163,6 +164,14 @@ def _make(copies: list[tuple[torch.Tensor, torch.Tensor]], rounded: list[tuple[t
         torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies], non_blocking=True)
     for dst, src, scale in rounded:  # moved as stored, then multiplied on the device, not on the host
         dst.copy_(src.to(dst.device, non_blocking=True).float() * scale)
+
+
+def _split(items, test) -> tuple[list, list]:
+    """(the items that pass `test`, the others), each in order."""
+    yes, no = [], []
+    for item in items:
+        (yes if test(item) else no).append(item)
+    return yes, no
 
 
 def _one_block(t: torch.Tensor) -> bool:

@@ -41,7 +41,7 @@ from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError
 from lora_engine.schedule import Schedule, step_progress
-from lora_engine.slots import Entry
+from lora_engine.slots import Entry, merge
 
 log = logging.getLogger("multilora")
 
@@ -383,11 +383,6 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
     shaping = list(shaping) if shaping is not None else [None] * len(adapters)
-    for adapter in distinct.values():  # the engine refuses it too, but only when the model is loaded to sample
-        listed = [s for a, s in zip(adapters, shaping) if a is adapter]
-        if len(listed) > 1 and any(s is not None for s in listed):
-            raise ShapingError(f"{adapter.name} appears {len(listed)} times in the stack and an entry of it has a "
-                               "schedule or block weights", path=adapter.path, remedy="keep one entry for this LoRA")
     model_entries, clip_entries = [], []
     for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
         on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
@@ -402,6 +397,7 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
         if on_clip is not None:
             clip_entries.append(Entry(adapter, _strength(sc) * base))
+    merge(model_entries)  # the engine's rules for a repeated LoRA, checked here rather than when sampling starts
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), unet_root, model_entries, max_loras, "unet")

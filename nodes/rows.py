@@ -52,13 +52,18 @@ def _number(i: int, field: str, name: str, v: object) -> float:
     return float(v)
 
 
+def _blank(name: object) -> bool:
+    """A row that names no LoRA: no name, or "None"."""
+    return name is None or (isinstance(name, str) and name.strip() in ("", NONE))
+
+
 def row_entries(inputs: Mapping[str, object], single_strength: bool = False,
                 max_rows: int = MAX_ROWS) -> list[Entry]:
     """The entries that rows 1..max_rows of `inputs` stand for, in row order."""
     out = []
     for i in range(1, max_rows + 1):
         name = inputs.get(f"lora_{i}")
-        if name is None or (isinstance(name, str) and name.strip() in ("", NONE)):
+        if _blank(name):
             continue
         if not isinstance(name, str):
             raise StackError(f"row {i}: lora_{i} must be a LoRA file name, got {name!r}")
@@ -104,8 +109,8 @@ class LoRAStackRows:
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
-        return bridge.file_state("loras", [inputs.get(f"lora_{i}") for i in range(1, MAX_ROWS + 1)
-                                           if inputs.get(f"lora_{i}") not in (None, NONE)])
+        names = (inputs.get(f"lora_{i}") for i in range(1, MAX_ROWS + 1))
+        return bridge.file_state("loras", [n for n in names if not _blank(n)])
 
     def stack(self, lora_stack=None, single_strength=False, **rows):
         try:
@@ -113,6 +118,5 @@ class LoRAStackRows:
             items = entries(lora_stack) + own
         except StackError as e:
             raise ValueError(str(e)) from None
-        named = any(isinstance(n, str) and n.strip() not in ("", NONE)
-                    for n in (rows.get(f"lora_{i}") for i in range(1, MAX_ROWS + 1)))
+        named = any(not _blank(rows.get(f"lora_{i}")) for i in range(1, MAX_ROWS + 1))
         return (as_stack(items, left_out=named and not own),)

@@ -177,7 +177,7 @@ def test_a_schedule_on_a_lora_listed_twice_is_refused_by_the_loader(server, plai
                                                           "strength_model": 0.5, "strength_clip": 0.0}},
              "s2": {"class_type": "LoRAStrengthSchedule", "inputs": {"lora_stack": ["s1", 0], "entry": "#2",
                                                                      "keyframes": "0:1", "interpolation": "step"}}}
-    with pytest.raises(ComfyExecutionError, match=r"node 20 \(MultiLoRALoader\) raised .*appears 2 times"):
+    with pytest.raises(ComfyExecutionError, match=r"node 20 \(MultiLoRALoader\) raised .*appears twice"):
         server.run(graph(stack))
     assert np.array_equal(server.run(graph(entry()))[0], plain[1.0])
 
