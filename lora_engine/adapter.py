@@ -75,6 +75,11 @@ def file_fingerprint(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()[:32]
 
 
+# LyCORIS layouts that ComfyUI's fused loader applies and no parser here reads, named in the error for such a file:
+# (key suffix, name).
+UNREAD_LAYOUTS = ((".oft_blocks", "OFT/BOFT"), (".a1.weight", "GLoRA"), (".a2.weight", "GLoRA"))
+
+
 def load_adapter(path: str, *, name: str | None = None, convert: Converter | None = None,
                  pin: bool | None = None) -> Adapter:
     """Read, validate and parse one file. Raises a `LoRAError` subclass naming the file."""
@@ -89,6 +94,13 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
                                          "malformed; the file is incomplete or not an adapter") from e
     parsed = parse_tensors(tensors, path, metadata)
     if not parsed.layers:
+        unread = next(((key, layout) for key in parsed.leftover for suffix, layout in UNREAD_LAYOUTS
+                       if key.endswith(suffix)), None)
+        if unread is not None:
+            key, layout = unread
+            raise LoRAFormatError(f"this file holds {layout} layers (e.g. {key!r}), a LyCORIS layout this "
+                                  "pack does not apply", path=path,
+                                  remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
         sample = ", ".join(repr(k) for k in parsed.leftover[:3])
         raise LoRAFormatError(f"no LoRA, LoCon, LoHa, LoKr or diff layers found (keys: {sample or 'none'})",
                               path=path, remedy="this is not an adapter file, or its layout is unsupported")

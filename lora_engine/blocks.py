@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import ShapingError, number
+from .errors import ShapingError, number, shown
 
 # group, layer-name pattern, label prefix; the order is the model order
 _GROUPS = (
@@ -105,10 +105,10 @@ class BlockWeights:
             for part in (p for p in re.split(r"[,;\n]+", s) if p.strip()):
                 m = _NAMED.match(part)
                 if not m:
-                    raise ShapingError(f"block weight {part.strip()!r} is not NAME=value, e.g. IN04=0 or OUT=0.5")
+                    raise ShapingError(f"block weight {shown(part.strip())} is not NAME=value, e.g. IN04=0 or OUT=0.5")
                 key = m[1].upper()
                 if key not in _PREFIX and key not in ("DEFAULT", "BASE", *(g for g, _, _ in _GROUPS)):
-                    raise ShapingError(f"block weight {part.strip()!r}: unknown block name {m[1]!r}; use "
+                    raise ShapingError(f"block weight {shown(part.strip())}: unknown block name {shown(m[1])}; use "
                                        "IN, MID, OUT, D, S, B (with a number), a group name, BASE or default")
                 lo = int(m[2]) if m[2] is not None else None
                 hi = int(m[3]) if m[3] is not None else lo
@@ -118,7 +118,7 @@ class BlockWeights:
         tokens = [t.strip() for t in re.split(r"[,\n]+", body) if t.strip()]
         for t in tokens:
             if t in ("A", "a", "B", "b", "R", "r", "U", "u") or " " in t:
-                raise ShapingError(f"block vector element {t!r}: Inspire Pack's A/B variables, random R/U "
+                raise ShapingError(f"block vector element {shown(t)}: Inspire Pack's A/B variables, random R/U "
                                    "values and space-separated sub-vectors are not supported; use numbers")
         return cls(s, "vector", tuple(_weight(t, s) for t in tokens))
 
@@ -131,7 +131,7 @@ class BlockWeights:
             table = presets(model_blocks)
             name = self.values[0]
             if name not in table:
-                raise ShapingError(f"block preset {self.text!r} does not exist for this model; presets: "
+                raise ShapingError(f"block preset {shown(self.text)} does not exist for this model; presets: "
                                    f"{', '.join(table)}")
             items = table[name]
         return self._named(items, model_blocks)
@@ -189,4 +189,4 @@ def _show(key, lo, hi) -> str:
 
 
 def _weight(text: str, where: str) -> float:
-    return number(text, f"block weights {where.strip()!r}", ShapingError, limit=100)
+    return number(text, f"block weights {shown(where.strip())}", ShapingError, limit=100)

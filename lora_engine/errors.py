@@ -6,11 +6,24 @@ from __future__ import annotations
 import math
 
 
+def shown_module(name: str) -> str:
+    """An engine module's name as `lora_engine.<module>`. ComfyUI imports a custom-node folder under its path, so a
+    class's module would read "/…/custom_nodes/<pack>.lora_engine.errors" in every error the UI shows; the pack's
+    __init__.py registers each engine module under the short name as well."""
+    head, sep, tail = name.rpartition("lora_engine")
+    return "lora_engine" + tail if sep and head.endswith(".") else name
+
+
 class LoRAError(Exception):
     """Base class for every error the engine raises on purpose."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__module__ = shown_module(cls.__module__)
+
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
                  remedy: str | None = None):
+        self.message = message
         self.path = path
         self.key = key
         self.remedy = remedy
@@ -22,6 +35,9 @@ class LoRAError(Exception):
         if remedy:
             parts.append(f"remedy: {remedy}")
         super().__init__("; ".join(parts))
+
+
+LoRAError.__module__ = shown_module(LoRAError.__module__)
 
 
 class LoRAFileError(LoRAError):
@@ -57,14 +73,24 @@ class ShapingError(LoRAError, ValueError):
     """A malformed schedule or block-weight vector, or one that does not fit the model."""
 
 
+SHOWN = 80  # characters of a value that an error message repeats
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for an error message, cut after `SHOWN` characters: text pasted into an input, or a value
+    from another node, can be any length, and the message should still fit on the screen."""
+    r = repr(value)
+    return r if len(r) <= SHOWN else f"{r[:SHOWN]}… ({len(r)} characters)"
+
+
 def number(text: str, where: str, error: type[LoRAError], limit: float | None = None) -> float:
     """`text` as a finite float, within ±`limit` when one is given; else `error`, naming `where`."""
     try:
         v = float(text)
     except ValueError:
-        raise error(f"{where}: {text.strip()!r} is not a number") from None
+        raise error(f"{where}: {shown(text.strip())} is not a number") from None
     if not math.isfinite(v):
-        raise error(f"{where}: {text.strip()!r} is not finite")
+        raise error(f"{where}: {shown(text.strip())} is not finite")
     if limit is not None and abs(v) > limit:
-        raise error(f"{where}: {text.strip()!r} must be within -{limit:g}..{limit:g}")
+        raise error(f"{where}: {shown(text.strip())} must be within -{limit:g}..{limit:g}")
     return v

@@ -24,14 +24,14 @@ import re
 from dataclasses import dataclass, field
 
 from .blocks import BlockWeights
-from .errors import ShapingError, number
+from .errors import LoRAError, ShapingError, number, shown
 from .schedule import Schedule
 
 MAX_VALUES = 64
 MAX_CELLS = 4096
 
 
-class GridError(ValueError):
+class GridError(LoRAError, ValueError):
     """A malformed axis: the message names the axis, the text and what was expected."""
 
 
@@ -43,18 +43,18 @@ def parse_values(text: str, axis: str = "axis") -> list[float]:
     if m:
         a, b, n = _strength(m[1], axis, s), _strength(m[2], axis, s), int(m[3])
         if n < 1 or n > MAX_VALUES:
-            raise GridError(f"{axis}: count {n} in {s!r} must be between 1 and {MAX_VALUES}")
+            raise GridError(f"{axis}: count {n} in {shown(s)} must be between 1 and {MAX_VALUES}")
         return [a] if n == 1 else [a + (b - a) * i / (n - 1) for i in range(n)]
     if ":" in s:
         parts = [p.strip() for p in s.split(":")]
         if len(parts) != 3:
-            raise GridError(f"{axis}: {s!r} is not start:stop:step")
+            raise GridError(f"{axis}: {shown(s)} is not start:stop:step")
         a, b, step = (_strength(p, axis, s) for p in parts)
         if step == 0 or (b - a) / step < 0:
-            raise GridError(f"{axis}: step {step:g} in {s!r} never reaches {b:g}")
+            raise GridError(f"{axis}: step {step:g} in {shown(s)} never reaches {b:g}")
         n = int(math.floor((b - a) / step + 1e-9)) + 1
         if n > MAX_VALUES:
-            raise GridError(f"{axis}: {s!r} gives {n} values; at most {MAX_VALUES}")
+            raise GridError(f"{axis}: {shown(s)} gives {n} values; at most {MAX_VALUES}")
         return [round(a + i * step, 10) for i in range(n)]
     values = [_strength(p, axis, s) for p in re.split(r"[,;\s]+", s) if p]
     if len(values) > MAX_VALUES:
@@ -95,7 +95,7 @@ def label(value) -> str:
 
 
 def _strength(p: str, axis: str, text: str) -> float:
-    return number(p, f"{axis} {text!r}", GridError, limit=100)
+    return number(p, f"{axis} {shown(text)}", GridError, limit=100)
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,8 @@ def find_entry(names: list[str], ref: str, axis: str) -> int:
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:
-            raise GridError(f"{axis}: {ref!r} names {len(hits)} entries; use its position, e.g. #{hits[0] + 1}")
-    raise GridError(f"{axis}: no stack entry named {ref!r}; entries: {', '.join(names) or '(empty stack)'}")
+            raise GridError(f"{axis}: {shown(ref)} names {len(hits)} entries; use its position, e.g. #{hits[0] + 1}")
+    raise GridError(f"{axis}: no stack entry named {shown(ref)}; entries: {', '.join(names) or '(empty stack)'}")
 
 
 @dataclass

@@ -22,7 +22,7 @@ dense or bias slots a layer holds does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ class LayerSlots:
         self.stacked: tuple = NOTHING_STACKED  # the dense and bias slots as the compiled path reads them (`stack`)
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
         self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
-        self.cached_scale: tuple | None = None  # (bank.generation, scale ⊙ factor, expanded to the rows' columns)
+        self.cached_scale: _Scale | None = None
         self.rows: Rows | None = None  # the low-rank rows computed at each step (None: no live low-rank slot)
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
@@ -114,10 +114,10 @@ class LayerSlots:
         """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the
         first step after a strength change, not at every step."""
         gen = self.bank.generation
-        if self.cached_scale is None or self.cached_scale[0] != gen:
+        if self.cached_scale is None or self.cached_scale.generation != gen:
             scale = self.bank.scale * self.factor
-            self.cached_scale = (gen, scale, None if self.rows is None else self.rows.columns(scale))
-        return self.cached_scale[1], self.cached_scale[2]
+            self.cached_scale = _Scale(gen, scale, None if self.rows is None else self.rows.columns(scale))
+        return self.cached_scale.scale, self.cached_scale.columns
 
     def set_live(self, live: list[bool]) -> None:
         """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
@@ -291,6 +291,15 @@ class Rows:
             return Rows(self.key, layer.a[:n], layer.b[:, :n], False)
         dev = layer.a.device
         return Rows(self.key, self.a.to(dev), self.b.to(dev), True, self.slot_of.to(dev))
+
+
+class _Scale(NamedTuple):
+    """A layer's strengths for one `bank.generation`: the scale times the layer's factor, and that expanded to its
+    rows' columns (None without rows)."""
+
+    generation: int
+    scale: torch.Tensor
+    columns: torch.Tensor | None
 
 
 NOTHING_STACKED = ((), None, (), None)

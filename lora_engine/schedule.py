@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import ShapingError, number
+from .errors import ShapingError, number, shown
 
 MODES = ("linear", "step")
 MAX_KEYFRAMES = 256
@@ -39,7 +39,7 @@ class Schedule:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ShapingError(f"schedule interpolation {self.mode!r} is not one of {', '.join(MODES)}")
+            raise ShapingError(f"schedule interpolation {shown(self.mode)} is not one of {', '.join(MODES)}")
         if not self.points or len(self.points) != len(self.values):
             raise ShapingError("a schedule needs at least one keyframe")
         if any(b < a for a, b in zip(self.points, self.points[1:])):
@@ -58,9 +58,9 @@ class Schedule:
         for part in parts:
             m = _PAIR.match(part)
             if not m:
-                raise ShapingError(f"schedule keyframe {part.strip()!r} is not 'progress:multiplier', "
+                raise ShapingError(f"schedule keyframe {shown(part.strip())} is not 'progress:multiplier', "
                                    "e.g. '0.5:1.0'")
-            where = f"schedule keyframe {part.strip()!r}"
+            where = f"schedule keyframe {shown(part.strip())}"
             p, v = number(m[1], where, ShapingError), number(m[2], where, ShapingError, limit=100)
             if not 0.0 <= p <= 1.0:
                 raise ShapingError(f"{where}: progress must be within 0…1")

@@ -6,7 +6,7 @@ size again, in fp32)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -18,7 +18,17 @@ from .patches import absmax
 if TYPE_CHECKING:
     from .slots import SlotBank
 
-Staged = dict[str, tuple]  # layer -> ("low-rank", plan or None, bias) or ("dense", plan, bias)
+
+class Step(NamedTuple):
+    """What `write` does to one layer: copy the factors (`low_rank`; `plan` None when the layer has only a bias
+    or norm part), or make its dense ΔW; then set `bias`, when the adapter has one for it."""
+
+    low_rank: bool
+    plan: ModulePlan | None
+    bias: torch.Tensor | None
+
+
+Staged = dict[str, Step]  # layer name -> its step
 
 
 def stage(bank: SlotBank, b: Binding) -> Staged:
@@ -28,10 +38,10 @@ def stage(bank: SlotBank, b: Binding) -> Staged:
     for name, plan in b.plans.items():
         if plan.low_rank:
             plan.check_factors(bank.dtype)
-            staged[name] = ("low-rank", plan if plan.rank else None, plan.bias())
+            staged[name] = Step(True, plan if plan.rank else None, plan.bias())
         else:
             _check_dense(bank, plan)
-            staged[name] = ("dense", plan, plan.bias())
+            staged[name] = Step(False, plan, plan.bias())
     return staged
 
 
@@ -39,19 +49,19 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
     """Write the staged layers of `b` into `slot`, making each layer's slot buffers where it has none; returns the
     bytes written."""
     copies, nbytes = SlotCopies(), 0
-    for name, (kind, plan, bias) in staged.items():
+    for name, (low_rank, plan, bias) in staged.items():
         layer = bank.layers.get(name)
         if layer is None:
             layer = bank.layers[name] = LayerSlots(bank, name, b.plans[name].module)
-        if kind == "low-rank" and plan is not None:
+        if not low_rank:
+            nbytes += _write_dense(bank, layer, slot, plan)
+        elif plan is not None:
             r = plan.rank
             layer.ensure_rank(max(r, bank.slot_rank))
             layer.prepare(slot, plan)
             layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
             layer.ranks[slot] = r
             plan.write_factors(*layer.slot(slot), copies)
-        elif kind == "dense":
-            nbytes += _write_dense(bank, layer, slot, plan)
         if bias is not None:
             layer.bias[slot] = bias.to(device=bank.device, dtype=bank.dtype, non_blocking=True)
             nbytes += bias.numel() * layer.bias[slot].element_size()

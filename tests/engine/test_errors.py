@@ -99,6 +99,17 @@ def not_a_lora(tmp_path):
     return lf.write(tmp_path, "checkpoint.safetensors", {"model.diffusion_model.x.weight": torch.zeros(2, 2)})
 
 
+def oft(tmp_path):
+    """LyCORIS OFT, as ComfyUI's weight_adapter/oft.py reads it: block rotations and an alpha per layer."""
+    return lf.write(tmp_path, "oft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(4, 2, 2),
+                                                  "lora_unet_proj.alpha": torch.tensor(1.0)})
+
+
+def glora(tmp_path):
+    return lf.write(tmp_path, "glora.safetensors", {f"lora_unet_proj.{k}.weight": torch.zeros(2, 2)
+                                                    for k in ("a1", "a2", "b1", "b2")})
+
+
 def missing(tmp_path):
     return str(tmp_path / "missing.safetensors")
 
@@ -123,6 +134,8 @@ CASES = [
     (wrong_size, LoRAFileError, "needs 16 bytes", "x.lora_down.weight"),
     (nan_values, NonFiniteError, "NaN", "lora_unet_proj.lora_up.weight"),
     (not_a_lora, LoRAFormatError, "no LoRA", None),
+    (oft, LoRAFormatError, "holds OFT/BOFT layers", None),
+    (glora, LoRAFormatError, "holds GLoRA layers", None),
     (missing, LoRAFileError, "not found", None),
     (empty_file, LoRAFileError, "truncated", None),
 ]

@@ -35,6 +35,19 @@ def test_bad_values_say_what_was_expected(text, message):
         parse_values(text, "x axis")
 
 
+@pytest.mark.parametrize("text", [
+    "0, " + "x" * 5000,                  # one bad value, pasted long
+    "0, 1, " + "7" * 5000,               # a number too large to be finite
+    "0:1:" + "0," * 2500,                # not start:stop:step, and the whole text is the value shown
+])
+def test_an_error_shows_a_long_value_cut_with_its_length(text):
+    with pytest.raises(GridError) as e:
+        parse_values(text, "x axis")
+    message = str(e.value)
+    assert len(message) < 250, message
+    assert "characters)" in message and "…" in message
+
+
 NAMES = ["styles/ink.safetensors", "detail.safetensors", "ink.safetensors"]
 
 
