@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,19 +61,10 @@ def filenames(folder: str) -> list[str]:
     return folder_paths.get_filename_list(folder)
 
 
-def resolve(folder: str, name: object) -> str:
-    """The real path of `name` inside one of `folder`'s configured directories, or a `LoRAFileError`.
-    Nothing is opened before the checks pass."""
-    if not isinstance(name, str) or not name.strip():
-        raise LoRAFileError(f"expected a file name from the {folder} folder, got {name!r}")
-    if "\x00" in name or len(name) > MAX_NAME:
-        raise LoRAFileError(f"refused {folder} name (NUL byte or longer than {MAX_NAME} characters)",
-                            path=name[:80])
-    if os.path.isabs(name) or name.startswith(("\\", "/")) or (len(name) > 1 and name[1] == ":"):
-        raise LoRAFileError(f"absolute paths are refused; use a name relative to the {folder} folder", path=name)
-    parts = name.replace("\\", "/").split("/")
-    if ".." in parts:
-        raise LoRAFileError(f"'..' is refused in {folder} names", path=name)
+def resolve(folder: str, name: object, *, show_folders: bool = True) -> str:
+    """The real path of `name` inside one of `folder`'s configured directories, or a `LoRAFileError`, which names
+    the directories searched unless `show_folders` is False. Nothing is opened before the checks pass."""
+    _check_relative(name, folder)
     roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths(folder)]
     for d in folder_paths.get_folder_paths(folder):
         candidate = os.path.join(d, name)
@@ -83,8 +75,24 @@ def resolve(folder: str, name: object) -> str:
             raise LoRAFileError(f"{name!r} resolves outside the configured {folder} folders (a symlink escapes)",
                                 path=name, remedy=f"place the file inside a {folder} folder")
         return real
-    raise LoRAFileError(f"no file named {name!r} in the {folder} folders ({', '.join(roots)})", path=name,
+    searched = f" ({', '.join(roots)})" if show_folders else ""
+    raise LoRAFileError(f"no file named {name!r} in the {folder} folders{searched}", path=name,
                         remedy="check the name, or refresh the node list after adding the file")
+
+
+def _check_relative(name: object, folder: str) -> None:
+    """Raise unless `name` can only name a file under one of `folder`'s directories: a non-empty string of at most
+    MAX_NAME characters, without a NUL byte, not absolute (nor, on Windows, on a drive or a UNC path), without
+    '..'. On other systems a colon is an ordinary character of a file name ("1:1 style.safetensors")."""
+    if not isinstance(name, str) or not name.strip():
+        raise LoRAFileError(f"expected a file name in the {folder} folder, got {name!r}")
+    if "\x00" in name or len(name) > MAX_NAME:
+        raise LoRAFileError(f"refused {folder} name (NUL byte or longer than {MAX_NAME} characters)",
+                            path=name[:80])
+    if os.path.isabs(name) or name.startswith(("\\", "/")) or os.path.splitdrive(name)[0]:  # a drive: Windows
+        raise LoRAFileError(f"absolute paths are refused; use a name relative to the {folder} folder", path=name)
+    if ".." in name.replace("\\", "/").split("/"):
+        raise LoRAFileError(f"'..' is refused in {folder} names", path=name)
 
 
 def file_state(folder: str, names: Sequence[object]) -> str:
@@ -184,17 +192,27 @@ REPORTS: dict[str, dict] = {}  # fingerprint -> the last combined match report, 
 _REPORTS_KEPT = 256
 
 
-def _report(adapter: Adapter, unet, clip) -> dict:
+# A text-encoder layer's name in the files ComfyUI's CLIP key maps read: kohya's lora_te*_ (lora_prior_te_ for
+# Stable Cascade), diffusers' text_encoder(_2).*, and text_encoders.* (SD3, Flux and later).
+TEXT_ENCODER_LAYER = re.compile(r"^(lora_(prior_)?te\d?_|text_encoders?(_\d)?\.)")
+
+
+def _report(adapter: Adapter, unet, clip, clip_connected: bool = True) -> dict:
+    """The adapter's combined match over the model and the text encoder. With no CLIP connected, the layers
+    named as text-encoder layers are counted apart (`no_clip_layers`), not as layers that match nothing."""
     unmatched = set(adapter.layers)
     for b in (unet, clip):
         if b is not None:
             unmatched &= set(b.report.unmatched)
+    no_clip = set() if clip_connected else {k for k in unmatched if TEXT_ENCODER_LAYER.match(k)}
+    unmatched -= no_clip
     parts = [b.report for b in (unet, clip) if b is not None]
     report = {
         "adapter": adapter.name, "fingerprint": adapter.fingerprint, "formats": list(adapter.formats),
         "layers_in_file": len(adapter.layers),
         "model_layers": unet.report.matched if unet else 0,
         "clip_layers": clip.report.matched if clip else 0,
+        "no_clip_layers": len(no_clip),
         "low_rank": sum(r.low_rank for r in parts), "dense": sum(r.dense for r in parts),
         "unmatched": sorted(unmatched), "leftover": list(adapter.leftover),
         "partial": bool(unmatched or adapter.leftover),
@@ -216,6 +234,8 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
         "mixed" if report["dense"] else "low-rank")
     line = (f"[MultiLoRA] {adapter.name}: {report['model_layers']} model + {report['clip_layers']} text-encoder "
             f"layers ({'+'.join(report['formats'])}, {path} path)")
+    if report["no_clip_layers"]:
+        line += f"; {report['no_clip_layers']} text-encoder layers not applied: no CLIP is connected to the loader"
     if report["unmatched"]:
         line += f"; {len(report['unmatched'])} unmatched, e.g. {', '.join(report['unmatched'][:3])}"
     if report["leftover"]:
@@ -391,7 +411,7 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             target = type(unet_root).__name__ + (f" / {type(clip_root).__name__}" if clip_root is not None else "")
             raise LoRANoMatchError(f"{adapter.name} matches no layer of {target}", path=adapter.path,
                                    remedy="it is probably a LoRA for another model family")
-        _log_once(adapter, unet_root, _report(adapter, on_model, on_clip))
+        _log_once(adapter, unet_root, _report(adapter, on_model, on_clip, clip_root is not None))
         schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
         if on_model is not None:
             model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
@@ -520,19 +540,18 @@ def stored_weights(path: str, root):
 def bake_target(name: str, overwrite: bool, base_path: str) -> str:
     """Where a baked model may be written: in the diffusion_models folder that holds the base model,
     never outside it."""
-    if not isinstance(name, str) or "\x00" in name or len(name) > MAX_NAME:
-        raise LoRAFileError("refused bake name (NUL byte or too long)", path=str(name)[:80])
+    _check_relative(name, "diffusion_models")
     if not name.endswith(".safetensors"):
         raise LoRAFileError("a baked model is written as .safetensors", path=name,
                             remedy="end the bake name with .safetensors")
-    if os.path.isabs(name) or name.startswith(("\\", "/")) or (len(name) > 1 and name[1] == ":") \
-            or ".." in name.replace("\\", "/").split("/"):
-        raise LoRAFileError("bake names must be relative, without '..'", path=name)
     roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths("diffusion_models")]
     folder = next((r for r in roots if base_path.startswith(r.rstrip(os.sep) + os.sep)), roots[0])
     target = os.path.realpath(os.path.join(folder, name))
     if not target.startswith(folder.rstrip(os.sep) + os.sep):
         raise LoRAFileError("the bake target resolves outside the diffusion_models folder", path=name)
+    if os.path.isdir(target):
+        raise LoRAFileError("a folder of this name exists in diffusion_models", path=name,
+                            remedy="choose another bake_name")
     if os.path.exists(target) and not overwrite:
         raise LoRAFileError("a file of this name already exists in diffusion_models", path=name,
                             remedy="choose another bake_name, or turn overwrite on")
@@ -541,7 +560,7 @@ def bake_target(name: str, overwrite: bool, base_path: str) -> str:
 
 def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str, str]) -> None:
     """Save the fused diffusion model in the base file's precision, atomically."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     dtypes = {}
     if base_path.endswith(".safetensors"):
@@ -558,8 +577,12 @@ def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str
         raise LoRAFileError("a file of this name already exists in diffusion_models", path=target)
     tmp = target + ".partial"
     try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)  # a bake name may name a new subfolder
         save_file(sd, tmp, metadata=metadata)
         os.replace(tmp, target)
+    except (OSError, SafetensorError) as e:
+        raise LoRAFileError(f"the baked model could not be written ({e})", path=target,
+                            remedy="check the free disk space and the folder's permissions") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -29,7 +29,7 @@ import threading
 from lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
 
 from . import bridge
-from .stack import CATEGORY, STRENGTH
+from .stack import CATEGORY, STRENGTH, finite_strength, is_strength
 
 log = logging.getLogger("multilora")
 
@@ -75,15 +75,22 @@ def _logged(unet_path: str, lora_name: str, strength: float):
 
 
 def recorded_fusions(path: str) -> list[dict]:
-    """The fusions a baked file declares in its header (empty for any other file)."""
+    """The fusions a baked file declares in its header (empty for any other file). A record that cannot be read
+    is refused rather than taken for none: the file was baked, and fusing into it again could fuse a LoRA twice."""
     if not path.endswith(".safetensors"):
         return []
     raw = read_header(path).metadata.get(META_FUSIONS)
-    try:
-        doc = json.loads(raw) if raw else []
-    except json.JSONDecodeError:
+    if not raw:
         return []
-    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):  # ValueError: also integers of >4300 digits
+        doc = None
+    if not isinstance(doc, list) or not all(isinstance(d, dict) and is_strength(d.get("strength")) for d in doc):
+        raise LoRAFileError(f"the file's {META_FUSIONS} metadata, the record of the LoRAs fused into it, cannot be "
+                            "read", path=path, remedy="load the original base model with DistillFuse instead of "
+                            "the baked file")
+    return doc
 
 
 def load_fused(unet_path: str, model_options: dict, lora_name: str, strength: float, disable_dynamic: bool = True):
@@ -91,7 +98,7 @@ def load_fused(unet_path: str, model_options: dict, lora_name: str, strength: fl
     adapter = bridge.load_lora(lora_name)
     for f in recorded_fusions(unet_path):
         if f.get("fingerprint") == adapter.fingerprint:
-            if float(f.get("strength", "nan")) == float(strength):
+            if float(f["strength"]) == float(strength):
                 log.info("[MultiLoRA] %s already holds %s at strength %s (from its metadata); not fused again",
                          os.path.basename(unet_path), adapter.name, strength)
                 model = bridge.load_unet(unet_path, model_options)
@@ -154,6 +161,7 @@ class DistillFuse:
         return bridge.file_state("diffusion_models", [unet_name]) + "\n" + bridge.file_state("loras", [lora_name])
 
     def load(self, unet_name, weight_dtype, lora_name, strength, bake=False, bake_name="", overwrite=False):
+        strength = finite_strength(strength, "strength", lora_name)
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         unet_path = bridge.resolve("diffusion_models", unet_name)
@@ -169,11 +177,11 @@ class DistillFuse:
                                     "the baked file with fp8")
             target = bridge.bake_target(bake_name or default_bake_name(unet_name, lora_name, strength), overwrite,
                                         unet_path)
-        model = load_fused(unet_path, bridge.unet_options(weight_dtype), lora_name, float(strength))
+        model = load_fused(unet_path, bridge.unet_options(weight_dtype), lora_name, strength)
         if target is not None:
             adapter = bridge.load_lora(lora_name)
             fusions = recorded_fusions(unet_path) + [
-                {"lora": lora_name, "fingerprint": adapter.fingerprint, "strength": float(strength)}]
+                {"lora": lora_name, "fingerprint": adapter.fingerprint, "strength": strength}]
             st = os.stat(unet_path)
             bridge.bake(model, unet_path, target, overwrite, {
                 META_FUSIONS: json.dumps(fusions),

@@ -1,16 +1,20 @@
 """LoRAStrengthGrid and LoRAGridImage: an XY(Z) grid of LoRA strengths sampled as one batch.
 
 LoRAStrengthGrid outputs lists: one MODEL and one LATENT per batch of cells. ComfyUI runs
-the nodes downstream once per list item, so a grid larger than a batch may be is sampled
+the nodes downstream once per list item, so a grid larger than one batch is sampled
 as several batches; LoRAGridImage takes the whole lists and draws one grid.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from lora_engine.errors import shown
 from lora_engine.grid import GridError, build
 
 from . import bridge
@@ -72,7 +76,7 @@ class LoRAStrengthGrid:
                  "z_entry": z_entry, "z_values": z_values}
         for name, v in given.items():
             if v is not None and not isinstance(v, str):
-                return f"{name} must be text, got {v!r}"
+                return f"{name} must be text, got {shown(v)}"
         for a in AXES:
             ref, text = given[f"{a}_entry"], given[f"{a}_values"]
             if ref is not None and text is not None and ref.strip():
@@ -159,6 +163,23 @@ def _label(v) -> str:
     return v if isinstance(v, str) else f"{v:g}"
 
 
+# Fonts with accented Latin, Greek and Cyrillic glyphs, tried in order; Pillow looks a bare file name up in the
+# system's font folders. Pillow's own font, the fallback, draws a box for any character past ASCII and Latin-1.
+FONTS = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "LiberationSans-Regular.ttf", "segoeui.ttf", "arial.ttf",
+         "Arial Unicode.ttf", "Helvetica.ttc")
+HEADER_EMS = 40  # header lines widen the image past its cells up to this many font sizes, then wrap
+
+
+@functools.lru_cache(maxsize=4)
+def _font(size: int):
+    for name in FONTS:
+        try:
+            return ImageFont.truetype(name, size)
+        except OSError:
+            continue
+    return ImageFont.load_default(size=size)
+
+
 def _fit(font, text: str, width: float) -> str:
     """`text`, shortened with an ellipsis to fit `width` pixels."""
     if font.getlength(text) <= width:
@@ -168,24 +189,51 @@ def _fit(font, text: str, width: float) -> str:
     return text + "…"
 
 
+def _wrap(font, text: str, width: float) -> list[str]:
+    """`text` in lines of at most `width` pixels, broken at spaces; a word longer than a line (a long file name)
+    goes on where the line has room and is cut at the line's end."""
+    lines, line = [], ""
+    for word in text.split(" "):
+        joined = f"{line} {word}" if line else word
+        if font.getlength(joined) <= width:
+            line = joined
+            continue
+        if font.getlength(word) <= width:
+            lines.append(line)
+            line = word
+            continue
+        head = f"{line} " if line else ""
+        while font.getlength(head + word) > width:
+            cut = next((n for n in range(len(word) - 1, 0, -1) if font.getlength(head + word[:n]) <= width), 0)
+            if cut == 0 and not head:
+                cut = 1  # one glyph wider than the line
+            lines.append(head + word[:cut])
+            head, word = "", word[cut:]
+        line = head + word
+    return lines + [line]
+
+
 def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
-    """The grid as an [H, W, 3] float array in 0..1."""
+    """The grid as an [H, W, 3] float array in 0..1. The header (axes, and the entries held fixed) widens the image
+    past its cells up to `HEADER_EMS` font sizes, and wraps there; every label is cut to its cell."""
     x, y, z = desc["shape"]
     axes = desc["axes"] + [None] * (3 - len(desc["axes"]))
     h, w = cells.shape[1], cells.shape[2]
     size = max(12, min(24, w // 10))
-    font = ImageFont.load_default(size=size)
+    font = _font(size)
     pad = size // 2
     ylabels = [_label(v) for v in axes[1]["values"]] if axes[1] else []
     left = (int(min(max(font.getlength(t) for t in ylabels), size * 14)) + pad if ylabels else 0) + pad
     line = size + pad
     varied = {a["entry"] for a in desc["axes"] if a.get("kind", "strength") == "strength"}
     fixed = [f"{n} @ {_label(s)}" for i, (n, s) in enumerate(zip(desc["names"], desc["base"])) if i not in varied]
-    title = "   |   ".join(f"{a.get('axis') or k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
-    header = [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])
+    title = "  |  ".join(f"{a.get('axis') or k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
+    texts = [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])
+    widest = max(font.getlength(t) for t in texts)
+    width = max(left + x * w + pad, math.ceil(min(widest, HEADER_EMS * size)) + 2 * pad)
+    header = [part for t in texts for part in _wrap(font, t, width - 2 * pad)]
     panel_h = line + y * h
     top = len(header) * line + pad
-    width = max(left + x * w + pad, *(int(font.getlength(t)) + 2 * pad for t in header))
     height = top + z * (panel_h + (line if axes[2] else 0)) + pad
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
@@ -195,7 +243,8 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     for k in range(z):
         oy = top + k * (panel_h + (line if axes[2] else 0))
         if axes[2]:
-            draw.text((pad, oy), f"{axes[2]['label']} = {_label(axes[2]['values'][k])}", fill="black", font=font)
+            draw.text((pad, oy), _fit(font, f"{axes[2]['label']} = {_label(axes[2]['values'][k])}", width - 2 * pad),
+                      fill="black", font=font)
             oy += line
         for i in range(x):
             draw.text((left + i * w + pad, oy), _fit(font, _label(axes[0]['values'][i]), w - pad), fill="black",

@@ -83,7 +83,7 @@ def triggers(metadata: Mapping[str, str]) -> list[str]:
     if raw:
         try:
             doc = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, integers of >4300 digits, nesting past the stack
             doc = None
         counts: Counter = Counter()
         if isinstance(doc, dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 from aiohttp import web
 
@@ -40,19 +41,32 @@ def hooks() -> dict:
 routes = bridge.server_routes()
 
 
+def json_safe(value):
+    """`value` with every NaN or infinity replaced by None: JSON has no such numbers, and a browser's JSON.parse
+    refuses the whole document for one of them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 @routes.get("/multilora/status")
 async def get_status(request):
-    return web.json_response(status())
+    return web.json_response(json_safe(status()))
 
 
 def lora_info(name: str) -> dict:
     """Base model, rank and trigger words of one LoRA, from its header. The name is resolved only through
-    `bridge.resolve`, which refuses anything outside the loras folders; no tensor is read."""
-    path = bridge.resolve("loras", name)
+    `bridge.resolve`, which refuses anything outside the loras folders; no tensor is read. An error names the
+    file as it was asked for, never by its real path or the server's folders."""
+    path = bridge.resolve("loras", name, show_folders=False)
     try:
         header = read_header(path)
-    except LoRAError as e:  # name the file as it was asked for, not by its real path
-        raise type(e)(str(e).replace(path, name)) from None
+    except LoRAError as e:
+        raise type(e)(e.message, path=name, key=e.key, remedy=e.remedy) from None
     shapes = {key: info.shape for key, info in header.tensors.items()}
     return {"name": name, **describe_lora(shapes, header.metadata)}
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from lora_engine.errors import shown
+
 from . import bridge
 from .stack import CATEGORY, STRENGTH, Entry, StackError, as_stack, entries, is_strength
 
@@ -48,7 +50,7 @@ def row_inputs(i: int, names: list[str]) -> dict:
 
 def _number(i: int, field: str, name: str, v: object) -> float:
     if not is_strength(v):
-        raise StackError(f"row {i} ({name}): {field}_{i} must be a finite number, got {v!r}")
+        raise StackError(f"row {i} ({name}): {field}_{i} must be a finite number, got {shown(v)}")
     return float(v)
 
 
@@ -66,10 +68,10 @@ def row_entries(inputs: Mapping[str, object], single_strength: bool = False,
         if _blank(name):
             continue
         if not isinstance(name, str):
-            raise StackError(f"row {i}: lora_{i} must be a LoRA file name, got {name!r}")
+            raise StackError(f"row {i}: lora_{i} must be a LoRA file name, got {shown(name)}")
         enabled = inputs.get(f"enabled_{i}", True)
         if not isinstance(enabled, bool):
-            raise StackError(f"row {i} ({name}): enabled_{i} must be true or false, got {enabled!r}")
+            raise StackError(f"row {i} ({name}): enabled_{i} must be true or false, got {shown(enabled)}")
         if not enabled:
             continue
         sm = _number(i, "strength_model", name, inputs.get(f"strength_model_{i}", 1.0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from lora_engine.blocks import BlockWeights
-from lora_engine.errors import ShapingError
+from lora_engine.errors import ShapingError, shown
 from lora_engine.grid import GridError, find_entry
 from lora_engine.schedule import MODES, Schedule
 
@@ -49,7 +49,7 @@ def _floats(values) -> list[float] | None:
         if isinstance(v, (list, tuple)):
             stack[:0] = list(v)
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"values: {v!r} is not a finite number")
+            raise ValueError(f"values: {shown(v)} is not a finite number")
         else:
             out.append(float(v))
     return out
@@ -92,9 +92,9 @@ class LoRAStrengthSchedule:
         them, for a `**kwargs` signature). A linked input arrives as None and is checked when the node runs."""
         keyframes, interpolation = _first(keyframes), _first(interpolation)  # lists: INPUT_IS_LIST
         if interpolation is not None and interpolation not in MODES:
-            return f"interpolation must be one of {', '.join(MODES)}, got {interpolation!r}"
+            return f"interpolation must be one of {', '.join(MODES)}, got {shown(interpolation)}"
         if keyframes is not None and not isinstance(keyframes, str):
-            return f"keyframes must be text, got {keyframes!r}"
+            return f"keyframes must be text, got {shown(keyframes)}"
         if keyframes is not None and interpolation is not None:
             try:
                 Schedule.parse(keyframes, interpolation)
@@ -151,9 +151,9 @@ class LoRABlockWeights:
     def VALIDATE_INPUTS(cls, preset=None, weights=None):
         """As LoRAStrengthSchedule's: the two inputs it checks, and ComfyUI checks the others."""
         if preset is not None and preset not in PRESETS:
-            return f"preset must be one of {', '.join(PRESETS)}, got {preset!r}"
+            return f"preset must be one of {', '.join(PRESETS)}, got {shown(preset)}"
         if weights is not None and not isinstance(weights, str):
-            return f"weights must be text, got {weights!r}"
+            return f"weights must be text, got {shown(weights)}"
         if preset == "custom" and weights is not None:
             try:
                 BlockWeights.parse(weights)

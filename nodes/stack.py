@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 from lora_engine.blocks import BlockWeights
+from lora_engine.errors import shown
 from lora_engine.schedule import Schedule
 
 from . import bridge
@@ -55,8 +57,9 @@ class StackError(ValueError):
 
 
 def is_strength(v: object) -> bool:
-    """A finite int or float (a bool is not a strength)."""
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    """A finite real number, numpy's included (a bool is not a strength). The one test for every strength a node
+    reads: its own inputs, a LORA_STACK's entries from any pack, JSON and rows."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def entries(stack) -> list[Entry]:
@@ -69,15 +72,16 @@ def entries(stack) -> list[Entry]:
     out = []
     for i, item in enumerate(stack):
         if not isinstance(item, (list, tuple)) or len(item) < 3:
-            raise StackError(f"lora_stack entry {i} is {item!r}; expected (lora_name, strength_model, strength_clip)")
+            raise StackError(f"lora_stack entry {i} is {shown(item)}; expected (lora_name, strength_model, "
+                             "strength_clip)")
         name, sm, sc = item[0], item[1], item[2]
         if name is None or (isinstance(name, str) and name.strip() in ("", "None")):
             continue
         if not isinstance(name, str):
-            raise StackError(f"lora_stack entry {i}: lora_name must be a string, got {name!r}")
+            raise StackError(f"lora_stack entry {i}: lora_name must be a string, got {shown(name)}")
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
             if not is_strength(v):
-                raise StackError(f"lora_stack entry {i} ({name}): {field} must be a finite number, got {v!r}")
+                raise StackError(f"lora_stack entry {i} ({name}): {field} must be a finite number, got {shown(v)}")
         schedule, blocks = getattr(item, "schedule", None), getattr(item, "blocks", None)
         out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, Schedule) else None,
                          blocks if isinstance(blocks, BlockWeights) else None))
@@ -138,20 +142,17 @@ class LoRAStack:
         except StackError as e:
             raise ValueError(str(e)) from None
         if enabled:
-            items.append(Entry(lora_name, _finite(strength_model, "strength_model", lora_name),
-                               _finite(strength_clip, "strength_clip", lora_name)))
+            items.append(Entry(lora_name, finite_strength(strength_model, "strength_model", lora_name),
+                               finite_strength(strength_clip, "strength_clip", lora_name)))
         return (as_stack(items, left_out=not enabled),)
 
 
-def _finite(v: object, field: str, name: str) -> float:
-    """A strength input as a float: a NaN passes ComfyUI's min and max checks, and a linked one none at all."""
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        f = math.nan
-    if not math.isfinite(f):
-        raise ValueError(f"{field} of {name} must be a finite number, got {v!r}")
-    return f
+def finite_strength(v: object, field: str, name: str) -> float:
+    """A node's strength input as a float: a NaN passes ComfyUI's min and max checks, and a linked one none at
+    all."""
+    if not is_strength(v):
+        raise ValueError(f"{field} of {name} must be a finite number, got {shown(v)}")
+    return float(v)
 
 
 FIELDS = {"name", "strength_model", "strength_clip", "enabled"}
@@ -172,24 +173,24 @@ def parse_json_stack(text: str) -> list[Entry]:
     for i, obj in enumerate(items):
         where = f"stack_json entry {i}"
         if not isinstance(obj, dict):
-            raise StackError(f"{where}: expected an object with a \"name\", got {obj!r}")
+            raise StackError(f"{where}: expected an object with a \"name\", got {shown(obj)}")
         unknown = set(obj) - FIELDS
         if unknown:
             raise StackError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
                              f"allowed: {', '.join(sorted(FIELDS))}")
         name = obj.get("name")
         if not isinstance(name, str) or not name.strip():
-            raise StackError(f"{where}: field \"name\" must be a LoRA file name, got {name!r}")
+            raise StackError(f"{where}: field \"name\" must be a LoRA file name, got {shown(name)}")
         sm = obj.get("strength_model", 1.0)
         sc = obj.get("strength_clip", sm)
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
             if not is_strength(v):
-                raise StackError(f"{where} ({name}): field \"{field}\" must be a finite number, got {v!r}")
+                raise StackError(f"{where} ({name}): field \"{field}\" must be a finite number, got {shown(v)}")
             if not -100 <= v <= 100:
                 raise StackError(f"{where} ({name}): field \"{field}\" = {v} is outside -100..100")
         enabled = obj.get("enabled", True)
         if not isinstance(enabled, bool):
-            raise StackError(f"{where} ({name}): field \"enabled\" must be true or false, got {enabled!r}")
+            raise StackError(f"{where} ({name}): field \"enabled\" must be true or false, got {shown(enabled)}")
         if enabled:
             out.append(Entry(name, float(sm), float(sc)))
     return out
@@ -229,7 +230,7 @@ class LoRAStackFromJSON:
         known = set(bridge.lora_names())
         for i, e in enumerate(items):
             if e.name not in known:
-                return f"stack_json entry {i}: field \"name\": no LoRA named {e.name!r} in the loras folders"
+                return f"stack_json entry {i}: field \"name\": no LoRA named {shown(e.name)} in the loras folders"
         return True
 
     @classmethod

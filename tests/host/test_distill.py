@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -178,12 +179,33 @@ def test_bake_round_trip_and_its_metadata_prevents_refusion(server, images, mode
         server.run(distill(strength=0.5, bake=True, bake_name=name))
 
 
+def test_a_bake_name_may_name_a_new_subfolder(server, images, models_dir):
+    target = models_dir / "diffusion_models" / "distill_sub" / "new" / "baked.safetensors"
+    assert not target.parent.exists()
+    try:
+        assert np.array_equal(one(server, distill(bake=True, bake_name="distill_sub/new/baked.safetensors")),
+                              images["ours"])
+        assert target.is_file() and not (target.parent / "baked.safetensors.partial").exists()
+        with safe_open(str(target), "pt") as f:
+            assert json.loads(f.metadata()["multilora.fusions"])[0]["lora"] == LORA
+    finally:
+        if target.exists():
+            target.unlink()
+
+
 @pytest.mark.parametrize("case,inputs,texts", [
     ("other family", {"lora_name": "distill_flux_family.safetensors"}, ["distill_flux_family.safetensors",
                                                                         "matches no layer"]),
     ("truncated base", {"unet_name": "distill_truncated_unet.safetensors"}, ["distill_truncated_unet", "truncated"]),
     ("bake outside the folder", {"bake": True, "bake_name": "../escape.safetensors"}, ["'..'"]),
     ("bake not safetensors", {"bake": True, "bake_name": "x.ckpt"}, [".safetensors"]),
+    ("bake to an absolute path", {"bake": True, "bake_name": "/tmp/escape.safetensors"}, ["absolute"]),
+    ("bake onto a folder", {"bake": True, "bake_name": "distill_a_folder.safetensors", "overwrite": True},
+     ["a folder of this name"]),
+    ("NaN strength", {"strength": float("nan")}, ["strength of", "finite number", "nan"]),
+    ("damaged fusion record", {"unet_name": "distill_damaged_record.safetensors"},
+     ["distill_damaged_record.safetensors", "multilora.fusions", "cannot be read"]),
+    ("bake name with a NUL byte", {"bake": True, "bake_name": "x\x00.safetensors"}, ["NUL"]),
     ("fp8 bake", {"bake": True, "bake_name": "fp8.safetensors", "weight_dtype": "fp8_e4m3fn"}, ["precision"]),
     ("non-finite fusion", {"lora_name": "distill_huge.safetensors", "weight_dtype": "fp8_e4m3fn"},
      ["distill_huge.safetensors", "layer"]),
@@ -204,6 +226,11 @@ def test_failures_name_the_file_and_leave_nothing_behind(server, images, models_
         unet = (models_dir / "diffusion_models" / UNET).read_bytes()
         (models_dir / "diffusion_models" / "distill_truncated_unet.safetensors").write_bytes(
             unet[: struct.unpack("<Q", unet[:8])[0] + 8 + 1000])
+        (models_dir / "diffusion_models" / "distill_a_folder.safetensors").mkdir()
+        with safe_open(str(models_dir / "diffusion_models" / UNET), "pt") as f:
+            save_file({k: f.get_tensor(k) for k in f.keys()},
+                      str(models_dir / "diffusion_models" / "distill_damaged_record.safetensors"),
+                      metadata={"multilora.fusions": "[" * 100000})
     prompt = distill()
     prompt["20"]["inputs"].update(inputs)
     with pytest.raises(ComfyExecutionError) as e:
@@ -211,6 +238,8 @@ def test_failures_name_the_file_and_leave_nothing_behind(server, images, models_
     for t in texts:
         assert t in str(e.value), (t, str(e.value))
     assert np.array_equal(one(server, distill()), images["ours"])
+    with urllib.request.urlopen(server.url + "/multilora/status", timeout=30) as resp:  # strict JSON: no NaN
+        json.loads(resp.read(), parse_constant=lambda c: pytest.fail(f"/multilora/status holds {c}, not JSON"))
 
 
 LONG_LORA = "distill_every_layer.safetensors"

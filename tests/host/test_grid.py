@@ -10,6 +10,7 @@ must match its batch-1 run within 3× that floor.
 from __future__ import annotations
 
 import copy
+import shutil
 
 import numpy as np
 import pytest
@@ -149,3 +150,17 @@ def test_a_lora_a_loader_already_applies_is_refused_by_the_grid(server, grid_pro
     with pytest.raises(ComfyExecutionError) as e:
         server.run(p)
     assert f"{STYLE} is already applied to this model by a loader before the grid" in str(e.value)
+
+
+def test_a_long_lora_name_wraps_the_header_instead_of_widening_the_image(server, grid_prompt, grid_run, models_dir):
+    name = "très—long_" * 15 + ".safetensors"  # 162 characters, 207 bytes in UTF-8
+    shutil.copyfile(models_dir / "loras" / STYLE, models_dir / "loras" / name)
+    p = copy.deepcopy(grid_prompt)
+    p["2"]["inputs"]["lora_name"] = name
+    images = server.run(p)
+    grid_image, cells = images[0], images[1:]
+    for a, b in zip(cells, grid_run[1]):
+        assert np.array_equal(a, b)  # the same file under another name: the same cells
+    size = 12  # LoRAGridImage's font size for 64-pixel cells
+    assert grid_image.shape[1] <= 40 * size + size  # HEADER_EMS font sizes and the padding
+    assert grid_image.shape[0] >= grid_run[0].shape[0] + 2 * size  # the title wrapped onto more lines

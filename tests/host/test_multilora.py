@@ -134,6 +134,25 @@ def test_model_only_matches_stock_within_fused_vs_bypass_floor(server, ours, rec
     assert diff <= 3 * floor
 
 
+def test_without_a_clip_the_text_encoder_layers_are_not_a_partial_match(server, ours):
+    """The synthetic LoRAs hold text-encoder layers: with no CLIP on the loader they are reported as left out for
+    want of one, and the match is not partial."""
+    p = copy.deepcopy(ours)
+    clip = p[LOADER]["inputs"].pop("clip")
+    for node in p.values():
+        if node["inputs"].get("clip") == [LOADER, 1]:
+            node["inputs"]["clip"] = clip
+    one(server, p)
+    reports = server.get_json("/multilora/status")["reports"]
+    used = {v["inputs"]["lora_name"] for v in ours.values() if v["class_type"] == "LoRAStack"}
+    mine = [r for r in reports if r["adapter"] in used]
+    assert len(mine) == len(used)
+    for r in mine:
+        assert r["no_clip_layers"] > 0 and r["clip_layers"] == 0, r
+        assert not r["partial"] and r["unmatched"] == [], r
+        assert r["model_layers"] + r["no_clip_layers"] == r["layers_in_file"], r
+
+
 def test_matches_a_stock_lora_loader_chain(server, reference, fp32_text_encoder, ours, record_property):
     stock_fp32te = one(fp32_text_encoder, wf.to_stock(ours, LOADER))
     ours_fp32te = one(fp32_text_encoder, ours)

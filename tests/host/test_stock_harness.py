@@ -131,3 +131,17 @@ def test_interrupt(server):
     with pytest.raises(ComfyInterrupted):
         server.wait(pid, timeout=120)
     assert time.monotonic() - t0 < 60
+
+
+def test_attach_drives_a_server_it_did_not_start(server):
+    """`ComfyServer.attach(url)` (tools/run_workflow.py --url): the same images, read back through /view."""
+    from tools.comfy_server import ComfyExecutionError, ComfyServer
+    attached = ComfyServer.attach(server.url + "/")
+    prompt = build_prompt(prefix="attached")
+    assert attached.alive() and attached.log_tail() == ""
+    mine, theirs = attached.run(prompt), server.run(prompt)
+    assert len(mine) == 1 and np.array_equal(mine[0], theirs[0])
+    bad = build_prompt(prefix="attached_bad")
+    bad["8"]["inputs"]["latent_image"] = ["1", 0]  # a MODEL where a LATENT goes: refused at validation
+    with pytest.raises((ComfyPromptError, ComfyExecutionError)):
+        attached.run(bad)

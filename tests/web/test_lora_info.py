@@ -74,7 +74,8 @@ def test_triggers_phrase_first_then_tags_by_count():
     assert lora_info.describe({}, meta)["triggers"] == ["ohwx man", "portrait", "smile", "beard"]
 
 
-@pytest.mark.parametrize("raw", ["not json", "[1, 2]", json.dumps({"a": "b"}), json.dumps({"a": {"t": "x"}})])
+@pytest.mark.parametrize("raw", ["not json", "[1, 2]", json.dumps({"a": "b"}), json.dumps({"a": {"t": "x"}}),
+                                 "[" * 100000 + "]" * 100000, '{"a": {"t": ' + "9" * 5000 + "}}"])
 def test_broken_tag_frequency_gives_no_triggers(raw):
     assert lora_info.describe({}, {"ss_tag_frequency": raw})["triggers"] == []
 

@@ -4,7 +4,6 @@ format, the status route, and the metadata route (header only, names only throug
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.parse
 
@@ -137,13 +136,33 @@ def test_metadata_route_refuses_names_outside_the_loras_folders(web_server, name
     assert body["error"] and body["name"] == name
 
 
-def test_metadata_route_names_a_bad_file_without_its_path(web_server):
-    bad = web_server.models_dir / "loras" / "truncated.safetensors"
+@pytest.mark.parametrize("name", ["truncated.safetensors", "q'\"x.safetensors", "back\\slash.safetensors"])
+def test_metadata_route_names_a_bad_file_without_its_path(web_server, name):
+    """The name as asked, even where its repr escapes a quote or a backslash, and never the server's folders."""
+    bad = web_server.models_dir / "loras" / name
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     try:
-        code, body = info(web_server, "truncated.safetensors")
+        code, body = info(web_server, name)
     finally:
         bad.unlink()
-    assert code == 400 and "truncated" in body["error"]
-    assert "truncated.safetensors" in body["error"]
-    assert os.path.realpath(bad) not in body["error"], "the error names the file as asked, not by its real path"
+    assert code == 400 and "truncated" in body["error"] and body["name"] == name
+    assert f"file: {name!r}" in body["error"]
+    assert str(web_server.models_dir) not in body["error"], "the error names the file as asked, not by its real path"
+
+
+def test_metadata_route_does_not_list_the_loras_folders_for_a_missing_file(web_server):
+    code, body = info(web_server, "missing.safetensors")
+    assert code == 400 and "no file named 'missing.safetensors'" in body["error"]
+    assert str(web_server.models_dir) not in body["error"]
+
+
+def test_metadata_route_answers_a_tag_list_nested_too_deeply(web_server):
+    """ss_tag_frequency nested past Python's recursion limit: no trigger words, not a server error."""
+    from safetensors.torch import load_file, save_file
+    name = "deep_tags.safetensors"
+    src = web_server.models_dir / "loras" / synth.LORA_NAMES["kohya"]
+    save_file(load_file(str(src)), str(web_server.models_dir / "loras" / name),
+              metadata={"ss_tag_frequency": "[" * 100000 + "]" * 100000})
+    code, body = info(web_server, name)
+    assert code == 200, body
+    assert body["triggers"] == [] and body["rank"] == synth.STANDARD_LORAS["kohya"]["rank"]
