@@ -138,6 +138,7 @@ export class RowsController {
 
   toggle(at) {
     const name = inputName('enabled', at + 1)
+    if (this.isLinked(name)) return  // the linked value decides; the hidden widget's would be ignored
     this.change(() => this.set(name, this.get(name) === false))
     this.render()
     this.node.setDirtyCanvas(true, false)
@@ -169,6 +170,7 @@ export class RowsController {
 
   connectionsChanged() {
     if (this.lastLinkedRow() > this.count) this.sync()
+    else this.render()  // a row whose enabled input was linked or unlinked
   }
 
   /** Show the rows in use, hide the rest, and fit the node to them. */
@@ -202,6 +204,7 @@ export class RowsController {
         row: j + 1,
         lora,
         enabled: row.enabled,
+        linked: this.isLinked(inputName('enabled', j + 1)),
         badges: badges(rowStatus(status, row.lora)),
         meta: metaText(lora ? this.services.info(lora) : null),
       }

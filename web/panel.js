@@ -21,6 +21,7 @@ const CSS = `
 .mlora-toggle { grid-column: 1; grid-row: 1 / 3; width: 16px; height: 16px; border-radius: 50%; padding: 0;
   cursor: pointer; border: 1px solid var(--border-color, #555); background: transparent; }
 .mlora-row[data-enabled="true"] .mlora-toggle { background: #4caf50; border-color: #4caf50; }
+.mlora-row[data-enabled="linked"] .mlora-toggle { cursor: default; border-style: dashed; }
 .mlora-name { grid-column: 2; grid-row: 1; overflow: hidden; white-space: nowrap; text-overflow: ellipsis;
   font-weight: 600; }
 .mlora-info { grid-column: 2; grid-row: 2; display: flex; gap: 6px; align-items: center; min-width: 0; }
@@ -68,10 +69,13 @@ function button(act, text, title) {
 function rowElement(view, count) {
   const row = el('div', 'mlora-row')
   row.dataset.row = String(view.row)
-  row.dataset.enabled = String(view.enabled)
+  row.dataset.enabled = view.linked ? 'linked' : String(view.enabled)
   row.dataset.empty = String(!view.lora)
-  row.appendChild(button('toggle', '', view.enabled ? `Row ${view.row} is on: click to turn it off`
-    : `Row ${view.row} is off: click to turn it on`))
+  const toggle = button('toggle', '', view.linked ? `Row ${view.row}'s enabled input is linked: the node it comes from `
+    + 'turns it on or off' : view.enabled ? `Row ${view.row} is on: click to turn it off`
+    : `Row ${view.row} is off: click to turn it on`)
+  toggle.disabled = !!view.linked
+  row.appendChild(toggle)
   const name = el('span', 'mlora-name', view.lora || `row ${view.row}: pick a LoRA`)
   name.title = view.lora || ''
   row.appendChild(name)
@@ -121,7 +125,7 @@ export function createPanel(actions) {
 
   return {
     element: root,
-    /** view: {rows: [{row, lora, enabled, badges, meta: {line, title, error}}], canAdd, cache, notice} */
+    /** view: {rows: [{row, lora, enabled, linked, badges, meta: {line, title, error}}], canAdd, cache, notice} */
     render(view) {
       rows = view.rows.length
       list.replaceChildren(...view.rows.map((r) => rowElement(r, rows)))

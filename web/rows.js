@@ -44,6 +44,16 @@ export function rowCapacity(names) {
   return n
 }
 
+// A decimal number as text: ComfyUI reads a FLOAT widget's string value with Python's float(), so a
+// workflow written by hand or by a script may hold '0.5', and the prompt runs with 0.5.
+const DECIMAL_RE = /^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$/
+
+/** A finite strength from a number or a decimal string, else null. */
+export function strengthValue(v) {
+  const n = typeof v === 'number' ? v : typeof v === 'string' && DECIMAL_RE.test(v) ? Number(v) : NaN
+  return Number.isFinite(n) ? n : null
+}
+
 /** The row values that a node may hold: anything else becomes the default. */
 export function cleanRow(raw) {
   const row = defaultRow()
@@ -51,10 +61,8 @@ export function cleanRow(raw) {
   if (typeof raw.enabled === 'boolean') row.enabled = raw.enabled
   if (typeof raw.lora === 'string' && raw.lora.trim()) row.lora = raw.lora
   for (const f of ['strength_model', 'strength_clip']) {
-    const v = raw[f]
-    if (typeof v === 'number' && Number.isFinite(v)) {
-      row[f] = Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, v))
-    }
+    const v = strengthValue(raw[f])
+    if (v !== null) row[f] = Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, v))
   }
   return row
 }

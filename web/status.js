@@ -24,6 +24,7 @@ export function rowStatus(status, name) {
   const report = r && {
     model: r.model_layers | 0,
     clip: r.clip_layers | 0,
+    noClip: r.no_clip_layers | 0,
     inFile: r.layers_in_file | 0,
     unmatched: (r.unmatched ?? []).length,
     leftover: (r.leftover ?? []).length,
@@ -50,7 +51,8 @@ export function badges(rs) {
     out.push({
       kind: 'layers',
       text: `${matched}/${r.inFile} layers`,
-      title: `${r.model} model + ${r.clip} text-encoder layers matched, of ${r.inFile} in the file`,
+      title: `${r.model} model + ${r.clip} text-encoder layers matched, of ${r.inFile} in the file`
+        + (r.noClip ? `; ${r.noClip} text-encoder layers not applied: no CLIP is connected to the loader` : ''),
     })
     if (r.partial) {
       const why = []

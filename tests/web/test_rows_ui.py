@@ -199,6 +199,33 @@ def test_strengths_are_real_inputs_that_move_with_their_row(ui, browser):
     ui["primitive"] = prim
 
 
+def test_a_linked_enabled_input_is_shown_as_linked_and_not_toggled(ui, browser):
+    """The linked value decides whether the row is on: the panel's toggle says so and changes nothing."""
+    b, node = browser, rows_node(ui)
+    before = P.state(b, node)["values"]["enabled_1"]
+    switch = b.js("""() => {
+      const n = LiteGraph.createNode('PrimitiveBoolean')
+      n.pos = [480, 560]
+      app.graph.add(n)
+      n.widgets[0].value = false
+      return n.id
+    }""")
+    P.settle(b)
+    P.drag_link(b, (switch, "BOOLEAN"), (node, "enabled_1"))
+    assert P.state(b, node)["links"].get("enabled_1") == [switch, 0]
+    toggle = P.panel(node, ".mlora-row[data-row='1'] button[data-act='toggle']")
+    assert b.call("count", selector=P.panel(node, ".mlora-row[data-row='1'][data-enabled='linked']")) == 1
+    assert b.call("count", selector=toggle + ":disabled") == 1
+    b.js("(id) => app.graph.getNodeById(id).multiloraRows.toggle(0)", node)  # what a click would call
+    P.settle(b)
+    assert P.state(b, node)["values"]["enabled_1"] == before
+    b.js("(id) => { app.graph.remove(app.graph.getNodeById(id)) }", switch)
+    P.settle(b)
+    s = P.state(b, node)
+    assert "enabled_1" not in s["links"] and s["panel"][0]["enabled"] == before and s["rows"] == FINAL_ROWS
+    assert b.call("count", selector=toggle + ":disabled") == 0
+
+
 def test_prompt_carries_only_the_rows_in_use(ui, browser):
     b, node = browser, rows_node(ui)
     inputs = P.prompt(b, node)["inputs"]

@@ -46,7 +46,13 @@ test('capacity counts complete rows only', () => {
 test('cleanRow keeps valid values and defaults the rest', () => {
   assert.deepEqual(cleanRow(A), A)
   assert.deepEqual(cleanRow(null), DEFAULT_ROW)
-  assert.deepEqual(cleanRow({ lora: '', enabled: 'yes', strength_model: NaN, strength_clip: '2' }), DEFAULT_ROW)
+  assert.deepEqual(cleanRow({ lora: '', enabled: 'yes', strength_model: NaN, strength_clip: 'abc' }), DEFAULT_ROW)
+  // Text as ComfyUI reads it with float(): a decimal number is kept, anything else is the default.
+  assert.deepEqual(cleanRow({ lora: 'x', strength_model: ' 0.5 ', strength_clip: '-2e-1' }),
+    { ...DEFAULT_ROW, lora: 'x', strength_model: 0.5, strength_clip: -0.2 })
+  for (const text of ['0x10', '1e999', 'Infinity', 'NaN', '', '1,5', '.', '1e']) {
+    assert.equal(cleanRow({ strength_model: text }).strength_model, DEFAULT_ROW.strength_model, text)
+  }
   assert.deepEqual(cleanRow({ lora: 'x', strength_model: 1e9, strength_clip: -1e9 }),
     { ...DEFAULT_ROW, lora: 'x', strength_model: 100, strength_clip: -100 })
 })

@@ -25,7 +25,7 @@ test('rowStatus: slots, cache and the match report of one LoRA', () => {
   assert.deepEqual(rowStatus(STATUS, 'a.safetensors'), {
     cached: true,
     slots: [{ model: 'BaseModel', slot: 1 }, { model: 'SD1ClipModel (text encoder)', slot: 2 }],
-    report: { model: 10, clip: 2, inFile: 12, unmatched: 0, leftover: 0, partial: false },
+    report: { model: 10, clip: 2, noClip: 0, inFile: 12, unmatched: 0, leftover: 0, partial: false },
   })
   assert.deepEqual(rowStatus(STATUS, 'c.safetensors'), { cached: false, slots: [], report: null })
   assert.equal(rowStatus(STATUS, 'None'), null)
@@ -43,6 +43,15 @@ test('badges: residence first, then layers, then a warning for a partial match',
   assert.match(partial.title, /2 layers match no layer/)
   assert.match(partial.title, /1 keys no parser/)
   assert.deepEqual(badges(null), [])
+})
+
+test('badges: text-encoder layers left out for want of a CLIP are said so, not counted as a partial match', () => {
+  const status = { reports: [{ adapter: 'd.safetensors', model_layers: 128, clip_layers: 0, no_clip_layers: 72,
+    layers_in_file: 200, unmatched: [], leftover: [], partial: false }] }
+  const all = badges(rowStatus(status, 'd.safetensors'))
+  assert.deepEqual(all.map((b) => b.kind), ['idle', 'layers'])
+  assert.equal(all[1].text, '128/200 layers')
+  assert.match(all[1].title, /72 text-encoder layers not applied: no CLIP is connected/)
 })
 
 test('metaText: family, rank and triggers in one line', () => {
