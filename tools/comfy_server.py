@@ -237,14 +237,13 @@ class ComfyServer:
         return self._url or f"http://{HOST}:{self.port}"
 
     @classmethod
-    def attach(cls, url: str, comfy_root: str | os.PathLike | None = None) -> "ComfyServer":
-        """Drive a server that is already running at `url` (nothing is started or stopped).
-        Images are read back through its /view route."""
-        root = comfy_root or find_comfy_root() or Path(tempfile.gettempdir())
+    def attach(cls, url: str) -> "ComfyServer":
+        """Drive a server that is already running at `url`: nothing is started or stopped, no ComfyUI checkout
+        is needed here, images are read back through its /view route, and its log stays on its own console."""
         srv = cls.__new__(cls)
-        srv.__init__(comfy_root=root) if is_comfy_root(Path(root)) else None
         srv._url = url.rstrip("/")
-        srv.proc = None
+        srv.client_id = uuid.uuid4().hex
+        srv.port = srv.proc = srv.proc_rc = srv.pack_root = srv.log_path = None
         return srv
 
     def _prepare_dirs(self) -> None:
@@ -391,11 +390,16 @@ class ComfyServer:
             self.stop()
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """This object's server process runs; an attached server counts as alive (its requests fail if not)."""
+        if self.proc is None:
+            return self._url is not None
+        return self.proc.poll() is None
 
     # -- logs ----------------------------------------------------------------
 
     def log_text(self, since: int = 0) -> str:
+        if self.log_path is None:  # attached: the log is the server's own
+            return ""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(since)
@@ -404,6 +408,8 @@ class ComfyServer:
             return ""
 
     def log_offset(self) -> int:
+        if self.log_path is None:
+            return 0
         try:
             return self.log_path.stat().st_size
         except FileNotFoundError:
@@ -437,7 +443,7 @@ class ComfyServer:
     # -- HTTP ----------------------------------------------------------------
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float = HTTP_TIMEOUT):
-        if self.port is None:
+        if self.port is None and self._url is None:
             raise RuntimeError("server not started")
         data = None
         headers = {}
