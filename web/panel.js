@@ -71,9 +71,9 @@ function rowElement(view, count) {
   row.dataset.row = String(view.row)
   row.dataset.enabled = view.linked ? 'linked' : String(view.enabled)
   row.dataset.empty = String(!view.lora)
-  const toggle = button('toggle', '', view.linked ? `Row ${view.row}'s enabled input is linked: the node it comes from `
-    + 'turns it on or off' : view.enabled ? `Row ${view.row} is on: click to turn it off`
-    : `Row ${view.row} is off: click to turn it on`)
+  let title = view.enabled ? `Row ${view.row} is on: click to turn it off` : `Row ${view.row} is off: click to turn it on`
+  if (view.linked) title = `Row ${view.row}'s enabled input is linked: the node it comes from turns it on or off`
+  const toggle = button('toggle', '', title)
   toggle.disabled = !!view.linked
   row.appendChild(toggle)
   const name = el('span', 'mlora-name', view.lora || `row ${view.row}: pick a LoRA`)
