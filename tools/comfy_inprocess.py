@@ -90,7 +90,7 @@ def import_bridge():
 
 
 def build_model(comfy, torch, unet_config: dict, *, dtype, device, expect: str | None = None,
-                resize: dict | None = None, seed: int = 0, std: float = 0.02):
+                resize: dict | None = None, seed: int = 0, std: float = 0.02, buffers: tuple[str, ...] = ()):
     """A `ModelPatcher` around ComfyUI's model for `unet_config`, with random weights.
 
     `expect`: the supported-model class name ComfyUI must pick (else `ModelConfigError`). `resize`:
@@ -98,7 +98,10 @@ def build_model(comfy, torch, unet_config: dict, *, dtype, device, expect: str |
     full-size dimensions (SDXL: `model_channels` 320, `transformer_depth` [0, 0, 2, 2, 10, 10]); the
     model and ComfyUI's key maps (`comfy.utils.unet_to_diffusers` reads the config) then both see the
     small ones. Weights: matrices and kernels N(0, std), 1-D weights and scales (norm gains) 1, the rest 0
-    (ComfyUI's ops skip initialisation, so every tensor is given a finite value)."""
+    (ComfyUI's ops skip initialisation, so every tensor is given a finite value). `buffers`: names (their
+    last component) of buffers that ComfyUI allocates empty and fills from the file, as parameters are
+    (SD3's `pos_embed`: torch.empty, else garbage, measured 6e37, and a NaN output); they are drawn N(0, std)
+    after the parameters. Every other buffer keeps the value the model computed (rope tables, sigmas)."""
     config = comfy.model_detection.model_config_from_unet_config(unet_config)
     if config is None:
         raise ModelConfigError(f"ComfyUI picks no supported model for unet_config {unet_config!r}")
@@ -117,6 +120,9 @@ def build_model(comfy, torch, unet_config: dict, *, dtype, device, expect: str |
                 p.fill_(1.0)
             else:
                 p.zero_()
+        for name, b in model.named_buffers():
+            if name.rsplit(".", 1)[-1] in buffers:
+                b.normal_(0.0, std, generator=g)
     mm = comfy.model_management
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())

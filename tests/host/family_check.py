@@ -4,12 +4,14 @@ Run with ComfyUI's python (tests/host/test_families.py does, once per session):
 
     ~/comfy/ComfyUI/.venv/bin/python tests/host/family_check.py [--out rows.jsonl] [--family flux]
 
-Per family (Flux, SDXL, Wan 2.1/2.2, Qwen-Image) a tiny model of ComfyUI's own class is built from a
-unet_config (`tools.comfy_inprocess.build_model`, fp32, CPU, random weights), and synthetic LoRA files are
-written in the key layouts real files of that family use, every prefix checked against
-`comfy.lora.model_lora_keys_unet`. The base weights are also written as a diffusion-model file (ComfyUI's
-native key names, as UNETLoader reads them), for DistillFuse's stored-weight lookup. For each case (one
-file, or several stacked at different strengths) four forwards of the diffusion model on the same inputs:
+Per family (Flux, SDXL, Wan 2.1/2.2, Qwen-Image, SD3/SD3.5, HunyuanVideo, Chroma, LTX-Video, HiDream,
+Lumina 2) a tiny model of ComfyUI's own class is built from a unet_config (`tools.comfy_inprocess.build_model`,
+fp32, CPU, random weights), and synthetic LoRA files are written in the key layouts real files of that family
+use, every prefix checked against `comfy.lora.model_lora_keys_unet` (the families and layouts are in
+family_layouts.py). The base weights are also written as a
+diffusion-model file (ComfyUI's native key names, as UNETLoader reads them), for DistillFuse's stored-weight
+lookup. For each case (one file, or several stacked at different strengths) four forwards of the diffusion
+model on the same inputs:
 
     ours     bridge.apply_stack on the adapters from the engine's cache (ComfyUI's convert_lora), then
              comfy.model_management.load_models_gpu: the stack is injected as slot hooks
@@ -35,16 +37,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the families and the tools are imported from the repository
+    sys.path.insert(0, str(ROOT))
+
+from tests.host.family_layouts import Family, Writer, families  # noqa: E402  (after the sys.path line)
 
 
 @dataclass(frozen=True)
@@ -75,269 +79,25 @@ CASES = (
     Case("qwen_image", (("peft", 1.0),)),
     Case("qwen_image", (("lightning", 1.0),)),
     Case("qwen_image", (("lightning", 1.0), ("peft", -0.8))),
+    Case("sd3", (("diffusers", 1.0),)),
+    Case("sd3", (("onetrainer", 0.9),)),
+    Case("sd3", (("kohya", 0.7), ("diffusers", -0.6))),
+    Case("hunyuan_video", (("musubi", 1.0),)),
+    Case("hunyuan_video", (("diffusion-pipe", 0.8),)),
+    Case("hunyuan_video", (("musubi", 0.7), ("diffusion-pipe", -0.6))),
+    Case("chroma", (("kohya", 1.0),)),
+    Case("chroma", (("diffusers", 0.8),)),
+    Case("chroma", (("kohya", 0.7), ("diffusers", -0.6))),
+    Case("ltxv", (("trainer", 1.0),)),
+    Case("ltxv", (("bare", 0.9),)),
+    Case("ltxv", (("trainer", 0.7), ("bare", -0.6))),
+    Case("hidream", (("peft", 1.0),)),
+    Case("hidream", (("lycoris", 1.0),)),
+    Case("hidream", (("peft", 0.7), ("lycoris", -0.8))),
+    Case("lumina2", (("kohya", 1.0),)),
+    Case("lumina2", (("diffusion-pipe", 0.8),)),
+    Case("lumina2", (("kohya", 0.7), ("diffusion-pipe", -0.6))),
 )
-
-
-class LayoutError(RuntimeError):
-    """A synthetic file names a prefix ComfyUI's key map does not accept: the layout here is out of date."""
-
-
-# -- writing synthetic files -----------------------------------------------------------------------------
-
-@dataclass
-class Writer:
-    """Builds one state dict; shapes come from the layer each prefix names in ComfyUI's key map."""
-
-    torch: object
-    modules: dict
-    keymap: dict
-    gen: object
-    unet_config: dict
-    sd: dict = field(default_factory=dict)
-
-    def layer(self, prefix: str) -> tuple[object, tuple | None]:
-        """The module `prefix` names in ComfyUI's key map, and its (dim, start, size) slice or None."""
-        value = self.keymap.get(prefix)
-        if value is None:
-            raise LayoutError(f"{prefix!r} is not in comfy.lora.model_lora_keys_unet's map")
-        key, spec = (value[0], value[1] if len(value) > 1 else None) if isinstance(value, tuple) else (value, None)
-        return self.modules[key[: -len(".weight")]], spec
-
-    def target(self, prefix: str) -> tuple[int, int, tuple[int, ...]]:
-        """(outputs, inputs, kernel) of the part of a layer `prefix` patches (a slice for fused qkv)."""
-        module, spec = self.layer(prefix)
-        w = module.weight
-        out = spec[2] if spec is not None else w.shape[0]
-        return out, w.shape[1], tuple(w.shape[2:])
-
-    def randn(self, *shape: int, std: float):
-        t = self.torch
-        return (t.randn(*shape, generator=self.gen) * std).to(t.bfloat16)  # as files are stored
-
-    def lora(self, prefix: str, *, rank: int = 8, style: str = "kohya", alpha: float | None = 4.0,
-             tucker: bool = False) -> None:
-        """LoRA / LoCon factors; `tucker` puts a 3x3 kernel in a `lora_mid` (LyCORIS LoCon use_tucker)."""
-        out, fin, kernel = self.target(prefix)
-        ones = (1,) * len(kernel)
-        down_std = 1.0 / math.sqrt(fin * math.prod(kernel))
-        up, down = {"kohya": (".lora_up.weight", ".lora_down.weight"),
-                    "peft": (".lora_B.weight", ".lora_A.weight")}[style]
-        if tucker and kernel:
-            self.sd[prefix + down] = self.randn(rank, fin, *ones, std=1.0 / math.sqrt(fin))
-            self.sd[prefix + ".lora_mid.weight"] = self.randn(rank, rank, *kernel, std=down_std * math.sqrt(fin))
-        else:
-            self.sd[prefix + down] = self.randn(rank, fin, *kernel, std=down_std)
-        self.sd[prefix + up] = self.randn(out, rank, *ones, std=0.05)
-        if alpha is not None:
-            self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
-
-    def lokr(self, prefix: str, *, rank: int = 4, alpha: float = 2.0, factor: int = 4) -> None:
-        """LoKr: a full w1 [factor, factor] ⊗ a low-rank w2 = w2_a @ w2_b (LyCORIS's default split)."""
-        out, fin, _ = self.target(prefix)
-        self.sd[prefix + ".lokr_w1"] = self.randn(factor, factor, std=1.0)
-        self.sd[prefix + ".lokr_w2_a"] = self.randn(out // factor, rank, std=0.1)
-        self.sd[prefix + ".lokr_w2_b"] = self.randn(rank, fin // factor, std=0.1)
-        self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
-
-    def loha(self, prefix: str, *, rank: int = 4, alpha: float = 2.0) -> None:
-        out, fin, _ = self.target(prefix)
-        for w in ("w1", "w2"):
-            self.sd[f"{prefix}.hada_{w}_a"] = self.randn(out, rank, std=0.3)
-            self.sd[f"{prefix}.hada_{w}_b"] = self.randn(rank, fin, std=0.3)
-        self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
-
-    def diff(self, prefix: str, *, weight: bool = True, bias: bool = True) -> None:
-        """Full-weight `.diff` and bias `.diff_b` (lightx2v distill files carry both)."""
-        module, _ = self.layer(prefix)
-        if weight:
-            self.sd[prefix + ".diff"] = self.randn(*module.weight.shape, std=0.005 if module.weight.dim() > 1 else 0.2)
-        if bias:
-            self.sd[prefix + ".diff_b"] = self.randn(*module.bias.shape, std=0.02)
-
-
-def kohya(name: str) -> str:
-    return "lora_unet_" + name[len("diffusion_model."):].replace(".", "_")
-
-
-def linears(w: Writer, under: tuple[str, ...], kinds=("Linear",), skip: tuple[str, ...] = ()) -> list[str]:
-    """Module names below any of `under` whose class derives from one of `kinds` (ComfyUI's ops subclass them)."""
-    t = w.torch.nn
-    classes = tuple(getattr(t, k) for k in kinds)
-    return [n for n, m in w.modules.items() if isinstance(m, classes) and any(f".{u}." in n for u in under)
-            and not any(s in n for s in skip)]
-
-
-# -- Flux --------------------------------------------------------------------------------------------------
-
-FLUX_DOUBLE = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-               "attn.to_out.0", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-               "ff_context.net.2", "norm1.linear", "norm1_context.linear")
-FLUX_SINGLE = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out", "norm.linear")
-FLUX_DEPTH, FLUX_SINGLE_DEPTH = 2, 2
-
-
-def flux_kohya(w: Writer) -> None:  # kohya sd-scripts: every Linear of the double and single blocks
-    for name in linears(w, ("double_blocks", "single_blocks")):
-        w.lora(kohya(name))
-
-
-def flux_diffusers(w: Writer) -> None:
-    """ai-toolkit / diffusers PEFT: `transformer.` names, no alpha. ComfyUI maps q/k/v (and proj_mlp) to
-    output slices of the fused qkv / linear1, and norm_out.linear through swap_scale_shift (a row swap)."""
-    names = [f"transformer.transformer_blocks.{i}.{t}" for i in range(FLUX_DEPTH) for t in FLUX_DOUBLE]
-    names += [f"transformer.single_transformer_blocks.{i}.{t}" for i in range(FLUX_SINGLE_DEPTH) for t in FLUX_SINGLE]
-    for name in names + ["transformer.norm_out.linear", "transformer.proj_out"]:
-        w.lora(name, style="peft", alpha=None)
-
-
-def flux_lokr(w: Writer) -> None:  # SimpleTuner LyCORIS names: `lycoris_` + the diffusers name
-    for name in ("transformer_blocks_0_attn_to_q", "transformer_blocks_0_ff_net_0_proj",
-                 "single_transformer_blocks_1_attn_to_k", "single_transformer_blocks_0_proj_out"):
-        w.lokr("lycoris_" + name)
-
-
-def flux_loha(w: Writer) -> None:  # LyCORIS LoHa with kohya names
-    for name in ("double_blocks_1_img_mlp_0", "double_blocks_0_txt_attn_proj", "single_blocks_1_linear2",
-                 "single_blocks_0_linear1"):
-        w.loha("lora_unet_" + name)
-
-
-def flux_inputs(torch, g) -> dict:
-    return {"x": torch.randn(1, 16, 8, 8, generator=g), "timestep": torch.full((1,), 0.5),
-            "context": torch.randn(1, 8, 64, generator=g), "y": torch.randn(1, 32, generator=g),
-            "guidance": torch.full((1,), 3.5)}
-
-
-# -- SDXL --------------------------------------------------------------------------------------------------
-
-SDXL_UNET = {  # what model_detection reads from an SDXL file; SDXL's class is recognised by these sizes
-    "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
-    "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
-    "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
-    "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
-    "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
-    "use_temporal_attention": False, "use_temporal_resblock": False,
-}
-SDXL_TINY = {"model_channels": 64, "transformer_depth": [0, 0, 1, 1, 1, 1], "transformer_depth_middle": 1,
-             "transformer_depth_output": [0, 0, 0, 1, 1, 1, 1, 1, 1], "context_dim": 64, "adm_in_channels": 64}
-
-
-def sdxl_kohya(w: Writer) -> None:
-    """kohya sd-scripts SDXL LoRA with LoCon: `lora_unet_input_blocks_4_1_...` (the SGM module names), every
-    attention / feed-forward / projection Linear and every ResBlock, skip, down- and upsampling conv."""
-    for name in linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
-                        skip=("input_blocks.0.",)):
-        w.lora(kohya(name), rank=4)
-
-
-def sdxl_diffusers(w: Writer, unet_to_diffusers) -> None:
-    """kohya names of the diffusers modules (`lora_unet_down_blocks_1_attentions_0_...`), as SD1.5-style
-    trainers write them; the 3x3 convs as LyCORIS Tucker LoCon (`lora_mid`)."""
-    for dkey, skey in sorted(unet_to_diffusers.items()):
-        if not dkey.endswith(".weight") or not dkey.startswith(("down_blocks.", "mid_block.", "up_blocks.")):
-            continue
-        module = w.modules.get("diffusion_model." + skey[: -len(".weight")])
-        if module is None or not isinstance(module, (w.torch.nn.Linear, w.torch.nn.Conv2d)):
-            continue
-        tucker = isinstance(module, w.torch.nn.Conv2d) and module.kernel_size == (3, 3)
-        w.lora("lora_unet_" + dkey[: -len(".weight")].replace(".", "_"), rank=4, tucker=tucker)
-
-
-def sdxl_inputs(torch, g) -> dict:
-    return {"x": torch.randn(1, 4, 16, 16, generator=g), "timesteps": torch.full((1,), 500.0),
-            "context": torch.randn(1, 8, 64, generator=g), "y": torch.randn(1, 64, generator=g)}
-
-
-# -- Wan 2.1 / 2.2 -----------------------------------------------------------------------------------------
-
-WAN_UNET = {"image_model": "wan2.1", "model_type": "t2v", "dim": 128, "ffn_dim": 256, "num_heads": 2,
-            "num_layers": 2, "in_dim": 16, "out_dim": 16, "text_dim": 64, "patch_size": (1, 2, 2), "freq_dim": 256,
-            "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}
-WAN_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
-               "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")
-WAN_NORMS = ("self_attn.norm_q", "self_attn.norm_k", "cross_attn.norm_q", "cross_attn.norm_k", "norm3")
-
-
-def wan_lightx2v(w: Writer, norms: bool = False) -> None:
-    """lightx2v distill layout: `diffusion_model.` names, lora_down / lora_up / alpha and a `.diff_b` on every
-    Linear, one Linear as a full `.diff`; with `norms`, the `.diff` (and norm3's `.diff_b`) on the RMSNorm and
-    LayerNorm weights that the released files also carry."""
-    for i in range(WAN_UNET["num_layers"]):
-        for t in WAN_LINEARS:
-            prefix = f"diffusion_model.blocks.{i}.{t}"
-            if (i, t) == (0, "cross_attn.o"):
-                w.diff(prefix)
-            else:
-                w.lora(prefix, rank=8, alpha=8.0)
-                w.diff(prefix, weight=False)
-        for t in WAN_NORMS if norms else ():
-            w.diff(f"diffusion_model.blocks.{i}.{t}", bias=(t == "norm3"))
-
-
-def wan_peft(w: Writer) -> None:  # musubi-tuner / ai-toolkit converted: `diffusion_model.` + lora_A / lora_B + alpha
-    for i in range(WAN_UNET["num_layers"]):
-        for t in WAN_LINEARS:
-            w.lora(f"diffusion_model.blocks.{i}.{t}", style="peft", alpha=4.0)
-
-
-def wan_kohya(w: Writer) -> None:  # musubi-tuner native: `lora_unet_blocks_0_self_attn_q`
-    for i in range(WAN_UNET["num_layers"]):
-        for t in WAN_LINEARS:
-            w.lora(f"lora_unet_blocks_{i}_{t.replace('.', '_')}")
-
-
-def wan_inputs(torch, g) -> dict:
-    return {"x": torch.randn(1, 16, 1, 8, 8, generator=g), "timestep": torch.full((1,), 500.0),
-            "context": torch.randn(1, 8, 64, generator=g)}
-
-
-# -- Qwen-Image --------------------------------------------------------------------------------------------
-
-QWEN_UNET = {"image_model": "qwen_image", "in_channels": 64, "out_channels": 16, "num_layers": 2,
-             "attention_head_dim": 128, "num_attention_heads": 2, "joint_attention_dim": 64}
-
-
-def qwen_peft(w: Writer) -> None:  # diffusers / ai-toolkit: `transformer.` + ComfyUI's (diffusers) module names
-    for name in linears(w, ("transformer_blocks",)):
-        w.lora("transformer." + name[len("diffusion_model."):], style="peft", alpha=None)
-
-
-def qwen_lightning(w: Writer) -> None:  # Qwen-Image-Lightning: bare module names, lora_down / lora_up / alpha
-    for name in linears(w, ("transformer_blocks",)):
-        w.lora(name[len("diffusion_model."):], alpha=8.0)
-
-
-def qwen_inputs(torch, g) -> dict:
-    return {"x": torch.randn(1, 16, 1, 8, 8, generator=g), "timestep": torch.full((1,), 0.5),
-            "context": torch.randn(1, 8, 64, generator=g)}
-
-
-# -- families ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Family:
-    expect: str  # the supported-model class ComfyUI must pick
-    unet_config: dict
-    inputs: Callable
-    layouts: dict[str, Callable]
-    resize: dict = field(default_factory=dict)
-
-
-def families(comfy) -> dict[str, Family]:
-    from tools.comfy_inprocess import flux_config
-    return {
-        "flux": Family("Flux", flux_config(256, FLUX_DEPTH, FLUX_SINGLE_DEPTH, context_in_dim=64, vec_in_dim=32),
-                       flux_inputs, {"kohya": flux_kohya, "diffusers": flux_diffusers, "lokr": flux_lokr,
-                                     "loha": flux_loha}),
-        "sdxl": Family("SDXL", SDXL_UNET, sdxl_inputs,
-                       {"kohya": sdxl_kohya,
-                        "diffusers": lambda w: sdxl_diffusers(w, comfy.utils.unet_to_diffusers(w.unet_config))},
-                       resize=SDXL_TINY),
-        "wan21": Family("WAN21_T2V", WAN_UNET, wan_inputs,
-                        {"lightx2v": wan_lightx2v, "lightx2v-norms": lambda w: wan_lightx2v(w, norms=True),
-                         "peft": wan_peft, "kohya": wan_kohya}),
-        "qwen_image": Family("QwenImage", QWEN_UNET, qwen_inputs, {"peft": qwen_peft, "lightning": qwen_lightning}),
-    }
 
 
 # -- the comparison ----------------------------------------------------------------------------------------
@@ -373,7 +133,7 @@ class FamilyRun:
         self.comfy, self.torch, self.bridge, self.name = comfy, torch, bridge, name
         self.mm = comfy.model_management
         self.base = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
-                                expect=fam.expect, resize=fam.resize)
+                                expect=fam.expect, resize=fam.resize, buffers=fam.buffers, std=fam.std)
         self.root = self.base.model
         # The base model as a diffusion-model file (keys without `diffusion_model.`, as UNETLoader's files):
         # DistillFuse fuses from the file's stored weights (bridge.stored_weights), not the loaded ones.
@@ -558,7 +318,6 @@ def main() -> int:
     ap.add_argument("--out", help="also write the JSON lines to this file")
     ap.add_argument("--family", action="append", help="only this family (repeatable)")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
     comfy = import_comfy(find_comfy(args.comfy), "cpu")
     import torch
