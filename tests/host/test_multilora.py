@@ -88,6 +88,23 @@ def test_nodes_are_registered_with_the_fixed_contract(server):
     assert info["LoRAStack"]["output"] == ["LORA_STACK"]
 
 
+PACK_NODES = ("DistillFuse", "LoRABlockWeights", "LoRAGridImage", "LoRAStack", "LoRAStackFromJSON", "LoRAStackRows",
+              "LoRAStrengthGrid", "LoRAStrengthSchedule", "MultiLoRALoader")
+
+
+@pytest.mark.parametrize("name", PACK_NODES)
+def test_every_node_input_and_output_carries_its_help(server, name):
+    """A description on every node, a tooltip on every input and every output, as ComfyUI's UI shows them."""
+    node = server.object_info()[name]
+    assert node["description"].strip()
+    for part in ("required", "optional"):
+        for input_name, spec in node["input"].get(part, {}).items():
+            options = spec[1] if len(spec) > 1 else {}
+            assert options.get("tooltip", "").strip(), f"{name}.{input_name} has no tooltip"
+    tips = node.get("output_tooltips") or []
+    assert len(tips) == len(node["output"]) and all(t and t.strip() for t in tips), (name, tips)
+
+
 def fused_vs_bypass(server, ours) -> tuple[np.ndarray, np.ndarray]:
     """One LoRA, model only, through ComfyUI's fused loader and through its bypass loader."""
     out = []
