@@ -43,35 +43,48 @@ _ids = itertools.count(1)
 
 
 def fusion_log() -> list[dict]:
-    """The latest fusions, oldest first: of its `layers`, how many the check pass has `checked` and the write
-    pass has `written`, and its `state`: `fusing`, `fused`, `failed` or `interrupted` (with every layer
-    written when the interrupt came during the write pass, which completes first)."""
+    """The latest fusions and bakes, oldest first. A fusion: of its `layers`, how many the check pass has
+    `checked` and the write pass has `written`, and its `state`: `fusing`, `fused`, `failed` or `interrupted`
+    (with every layer written when the interrupt came during the write pass, which completes first). A bake:
+    `bake`, the file written, and its `state`: `baking`, `baked`, `failed` or `interrupted`."""
     with _log_lock:
         return [dict(r) for r in _log]
+
+
+def _record(unet_path: str, lora_name: str, strength: float, **fields) -> dict:
+    record = {"id": next(_ids), "unet": os.path.basename(unet_path), "lora": lora_name, "strength": strength,
+              **fields}
+    with _log_lock:
+        _log.append(record)
+    return record
+
+
+@contextlib.contextmanager
+def _ends(record: dict, done: str):
+    """The record's state becomes `done` when the block completes, else `failed` or `interrupted`."""
+    try:
+        yield
+    except BaseException as e:
+        with _log_lock:
+            record["state"] = "interrupted" if type(e).__name__ == "InterruptProcessingException" else "failed"
+        raise
+    with _log_lock:
+        record["state"] = done
 
 
 @contextlib.contextmanager
 def _logged(unet_path: str, lora_name: str, strength: float):
     """A fusion-log record for the fusion run in the block; yields `progress(done, total)` that keeps it
     current (the engine counts its check pass as steps 1..n and its write pass as n+1..2n)."""
-    record = {"id": next(_ids), "unet": os.path.basename(unet_path), "lora": lora_name, "strength": strength,
-              "state": "fusing", "layers": 0, "checked": 0, "written": 0}
-    with _log_lock:
-        _log.append(record)
+    record = _record(unet_path, lora_name, strength, state="fusing", layers=0, checked=0, written=0)
 
     def progress(done: int, total: int) -> None:
         n = total // 2
         with _log_lock:
             record.update(layers=n, checked=min(done, n), written=max(done - n, 0))
 
-    try:
+    with _ends(record, "fused"):
         yield progress
-    except BaseException as e:
-        with _log_lock:
-            record["state"] = "interrupted" if type(e).__name__ == "InterruptProcessingException" else "failed"
-        raise
-    with _log_lock:
-        record["state"] = "fused"
 
 
 def recorded_fusions(path: str) -> list[dict]:
@@ -183,10 +196,12 @@ class DistillFuse:
             fusions = recorded_fusions(unet_path) + [
                 {"lora": lora_name, "fingerprint": adapter.fingerprint, "strength": strength}]
             st = os.stat(unet_path)
-            bridge.bake(model, unet_path, target, overwrite, {
-                META_FUSIONS: json.dumps(fusions),
-                META_BASE: json.dumps({"name": unet_name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}),
-            })
+            baking = _record(unet_path, lora_name, strength, state="baking", bake=os.path.basename(target))
+            with _ends(baking, "baked"):
+                bridge.bake(model, unet_path, target, overwrite, {
+                    META_FUSIONS: json.dumps(fusions),
+                    META_BASE: json.dumps({"name": unet_name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}),
+                })
         return (model,)
 
 

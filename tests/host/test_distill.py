@@ -188,9 +188,28 @@ def test_a_bake_name_may_name_a_new_subfolder(server, images, models_dir):
         assert target.is_file() and not (target.parent / "baked.safetensors.partial").exists()
         with safe_open(str(target), "pt") as f:
             assert json.loads(f.metadata()["multilora.fusions"])[0]["lora"] == LORA
+        bakes = [r for r in server.get_json("/multilora/status")["fusions"] if r.get("bake") == "baked.safetensors"]
+        assert bakes and bakes[-1]["state"] == "baked", bakes
     finally:
         if target.exists():
             target.unlink()
+
+
+def test_a_bake_that_cannot_be_written_fails_naming_its_target(server, images, models_dir):
+    """A file where the bake name puts a folder: the fusion completes, the write fails, and the fusion log says
+    which of the two failed."""
+    blocker = models_dir / "diffusion_models" / "distill_blocker.safetensors"
+    blocker.write_bytes(b"not a folder")
+    try:
+        with pytest.raises(ComfyExecutionError) as e:
+            server.run(distill(bake=True, bake_name="distill_blocker.safetensors/baked.safetensors"))
+    finally:
+        blocker.unlink()
+    assert "the baked model could not be written" in str(e.value) and "distill_blocker.safetensors" in str(e.value)
+    log = server.get_json("/multilora/status")["fusions"]
+    assert log[-1]["bake"] == "baked.safetensors" and log[-1]["state"] == "failed", log[-2:]
+    assert log[-2]["state"] == "fused" and "bake" not in log[-2], log[-2:]
+    assert np.array_equal(one(server, distill()), images["ours"])
 
 
 @pytest.mark.parametrize("case,inputs,texts", [
