@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import numpy as np
 import torch
@@ -167,17 +168,27 @@ def _label(v) -> str:
 # system's font folders. Pillow's own font, the fallback, draws a box for any character past ASCII and Latin-1.
 FONTS = ("DejaVuSans.ttf", "NotoSans-Regular.ttf", "LiberationSans-Regular.ttf", "segoeui.ttf", "arial.ttf",
          "Arial Unicode.ttf", "Helvetica.ttc")
+# For text with Chinese, Japanese or Korean characters, which none of FONTS but Arial Unicode draws: Windows'
+# Microsoft YaHei, Noto CJK, WenQuanYi (Linux), PingFang (macOS).
+CJK_FONTS = ("msyh.ttc", "NotoSansCJK-Regular.ttc", "NotoSansCJKsc-Regular.otf", "wqy-microhei.ttc",
+             "wqy-zenhei.ttc", "PingFang.ttc", "Arial Unicode.ttf")
+CJK = re.compile(r"[\u1100-\u11ff\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 HEADER_EMS = 40  # header lines widen the image past its cells up to this many font sizes, then wrap
 
 
-@functools.lru_cache(maxsize=4)
-def _font(size: int):
-    for name in FONTS:
+@functools.lru_cache(maxsize=8)
+def _font(size: int, cjk: bool = False):
+    """The first installed of CJK_FONTS (when `cjk`) or FONTS, else Pillow's own."""
+    for name in (CJK_FONTS if cjk else ()) + FONTS:
         try:
             return ImageFont.truetype(name, size)
         except OSError:
             continue
     return ImageFont.load_default(size=size)
+
+
+def _font_for(text: str, size: int):
+    return _font(size, bool(CJK.search(text)))
 
 
 def _fit(font, text: str, width: float) -> str:
@@ -220,7 +231,7 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     axes = desc["axes"] + [None] * (3 - len(desc["axes"]))
     h, w = cells.shape[1], cells.shape[2]
     size = max(12, min(24, w // 10))
-    font = _font(size)
+    font = _font(size)  # the values on the axes: numbers, or block weights and schedules in ASCII
     pad = size // 2
     ylabels = [_label(v) for v in axes[1]["values"]] if axes[1] else []
     left = (int(min(max(font.getlength(t) for t in ylabels), size * 14)) + pad if ylabels else 0) + pad
@@ -228,23 +239,24 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     varied = {a["entry"] for a in desc["axes"] if a.get("kind", "strength") == "strength"}
     fixed = [f"{n} @ {_label(s)}" for i, (n, s) in enumerate(zip(desc["names"], desc["base"])) if i not in varied]
     title = "  |  ".join(f"{a.get('axis') or k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
-    texts = [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])
-    widest = max(font.getlength(t) for t in texts)
+    texts = [(t, _font_for(t, size)) for t in [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])]
+    widest = max(f.getlength(t) for t, f in texts)
     width = max(left + x * w + pad, math.ceil(min(widest, HEADER_EMS * size)) + 2 * pad)
-    header = [part for t in texts for part in _wrap(font, t, width - 2 * pad)]
+    header = [(part, f) for t, f in texts for part in _wrap(f, t, width - 2 * pad)]
     panel_h = line + y * h
     top = len(header) * line + pad
     height = top + z * (panel_h + (line if axes[2] else 0)) + pad
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
-    for i, text in enumerate(header):
-        draw.text((pad, pad + i * line), text, fill="black", font=font)
+    for i, (text, f) in enumerate(header):
+        draw.text((pad, pad + i * line), text, fill="black", font=f)
     pixels = (cells.clamp(0, 1).cpu().numpy() * 255).round().astype(np.uint8)
     for k in range(z):
         oy = top + k * (panel_h + (line if axes[2] else 0))
         if axes[2]:
-            draw.text((pad, oy), _fit(font, f"{axes[2]['label']} = {_label(axes[2]['values'][k])}", width - 2 * pad),
-                      fill="black", font=font)
+            text = f"{axes[2]['label']} = {_label(axes[2]['values'][k])}"
+            f = _font_for(text, size)
+            draw.text((pad, oy), _fit(f, text, width - 2 * pad), fill="black", font=f)
             oy += line
         for i in range(x):
             draw.text((left + i * w + pad, oy), _fit(font, _label(axes[0]['values'][i]), w - pad), fill="black",

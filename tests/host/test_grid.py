@@ -164,3 +164,26 @@ def test_a_long_lora_name_wraps_the_header_instead_of_widening_the_image(server,
     size = 12  # LoRAGridImage's font size for 64-pixel cells
     assert grid_image.shape[1] <= 40 * size + size  # HEADER_EMS font sizes and the padding
     assert grid_image.shape[0] >= grid_run[0].shape[0] + 2 * size  # the title wrapped onto more lines
+
+
+def test_a_cjk_lora_name_is_drawn_with_its_glyphs(server, grid_prompt, models_dir):
+    """Two names that differ in one CJK character give two different titles: drawn as missing-glyph boxes
+    they would be the same pixels."""
+    from PIL import ImageFont
+
+    def installed(name):
+        try:
+            return ImageFont.truetype(name, 12) is not None
+        except OSError:
+            return False
+    cjk = ("msyh.ttc", "NotoSansCJK-Regular.ttc", "NotoSansCJKsc-Regular.otf", "wqy-microhei.ttc", "wqy-zenhei.ttc",
+           "PingFang.ttc", "Arial Unicode.ttf")  # LoRAGridImage's CJK_FONTS
+    if not any(installed(n) for n in cjk):
+        pytest.skip("no CJK font installed here (e.g. Debian's fonts-wqy-microhei or fonts-noto-cjk)")
+    titles = []
+    for name in ("风格一.safetensors", "风格二.safetensors"):
+        shutil.copyfile(models_dir / "loras" / STYLE, models_dir / "loras" / name)
+        p = copy.deepcopy(grid_prompt)
+        p["2"]["inputs"]["lora_name"] = name
+        titles.append(server.run(p)[0][:24])  # the first title line
+    assert mad(titles[0], titles[1]) > 0
