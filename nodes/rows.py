@@ -23,10 +23,19 @@ from collections.abc import Mapping
 from lora_engine.errors import shown
 
 from . import bridge
-from .stack import CATEGORY, STRENGTH, Entry, StackError, as_stack, entries, is_strength
+from .stack import (
+    CATEGORY,
+    NONE,
+    STRENGTH,
+    Entry,
+    StackError,
+    as_stack,
+    entries,
+    is_blank,
+    is_strength,
+)
 
 MAX_ROWS = 12
-NONE = "None"
 FIELDS = ("enabled", "lora", "strength_model", "strength_clip")
 
 
@@ -54,9 +63,9 @@ def _number(i: int, field: str, name: str, v: object) -> float:
     return float(v)
 
 
-def _blank(name: object) -> bool:
-    """A row that names no LoRA: no name, or "None"."""
-    return name is None or (isinstance(name, str) and name.strip() in ("", NONE))
+def named_rows(inputs: Mapping[str, object], max_rows: int = MAX_ROWS) -> list[object]:
+    """The `lora_i` values of the rows that name a LoRA, enabled or not, in row order."""
+    return [n for n in (inputs.get(f"lora_{i}") for i in range(1, max_rows + 1)) if not is_blank(n)]
 
 
 def row_entries(inputs: Mapping[str, object], single_strength: bool = False,
@@ -65,7 +74,7 @@ def row_entries(inputs: Mapping[str, object], single_strength: bool = False,
     out = []
     for i in range(1, max_rows + 1):
         name = inputs.get(f"lora_{i}")
-        if _blank(name):
+        if is_blank(name):
             continue
         if not isinstance(name, str):
             raise StackError(f"row {i}: lora_{i} must be a LoRA file name, got {shown(name)}")
@@ -111,8 +120,7 @@ class LoRAStackRows:
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
-        names = (inputs.get(f"lora_{i}") for i in range(1, MAX_ROWS + 1))
-        return bridge.file_state("loras", [n for n in names if not _blank(n)])
+        return bridge.file_state("loras", named_rows(inputs))
 
     def stack(self, lora_stack=None, single_strength=False, **rows):
         try:
@@ -120,5 +128,4 @@ class LoRAStackRows:
             items = entries(lora_stack) + own
         except StackError as e:
             raise ValueError(str(e)) from None
-        named = any(not _blank(rows.get(f"lora_{i}")) for i in range(1, MAX_ROWS + 1))
-        return (as_stack(items, left_out=named and not own),)
+        return (as_stack(items, left_out=bool(named_rows(rows)) and not own),)

@@ -7,14 +7,12 @@ a per-layer factor for block weights. Nothing is re-patched, reloaded or recompi
 
 from __future__ import annotations
 
-import math
-
 from lora_engine.blocks import BlockWeights
 from lora_engine.errors import ShapingError, shown
 from lora_engine.grid import GridError, find_entry
 from lora_engine.schedule import MODES, Schedule
 
-from .stack import CATEGORY, StackError, as_stack, entries, last_left_out
+from .stack import CATEGORY, StackError, as_stack, entries, is_strength, last_left_out
 
 ENTRY = ("STRING", {"default": "", "tooltip": "The stack entry to shape: its file name, its name without "
                     "extension, or its position (#1 is the first). Empty: the last entry, the one just added; "
@@ -48,7 +46,7 @@ def _floats(values) -> list[float] | None:
         v = stack.pop(0)
         if isinstance(v, (list, tuple)):
             stack[:0] = list(v)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        elif not is_strength(v):
             raise ValueError(f"values: {shown(v)} is not a finite number")
         else:
             out.append(float(v))

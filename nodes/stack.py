@@ -62,6 +62,14 @@ def is_strength(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
+NONE = "None"  # the name of an empty row or entry, as ComfyUI's pickers and other packs' stacks write it
+
+
+def is_blank(name: object) -> bool:
+    """A stack entry or row that names no LoRA: no name, an empty one, or "None"."""
+    return name is None or (isinstance(name, str) and name.strip() in ("", NONE))
+
+
 def entries(stack) -> list[Entry]:
     """Validated entries of a LORA_STACK from any pack; empty names and 'None' placeholders are skipped."""
     if stack is None:
@@ -75,7 +83,7 @@ def entries(stack) -> list[Entry]:
             raise StackError(f"lora_stack entry {i} is {shown(item)}; expected (lora_name, strength_model, "
                              "strength_clip)")
         name, sm, sc = item[0], item[1], item[2]
-        if name is None or (isinstance(name, str) and name.strip() in ("", "None")):
+        if is_blank(name):
             continue
         if not isinstance(name, str):
             raise StackError(f"lora_stack entry {i}: lora_name must be a string, got {shown(name)}")
