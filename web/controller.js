@@ -6,7 +6,7 @@
 
 import { createPanel } from './panel.js'
 import {
-  FIELDS, NONE, SNAPSHOT_KEY, applyOrder, inPrompt, inferCount, inputName, makeSnapshot, orderAfterAdd,
+  FIELDS, NONE, SNAPSHOT_KEY, applyOrder, booleanValue, inPrompt, inferCount, inputName, makeSnapshot, orderAfterAdd,
   orderAfterMove, orderAfterRemove, parseInputName, readRows, readSnapshot, rowCapacity, rowValues,
 } from './rows.js'
 import { badges, cacheLine, metaText, rowStatus } from './status.js'
@@ -39,6 +39,7 @@ export class RowsController {
     this.panelWidget.serialize = false
     node.setSize([Math.max(node.size[0], MIN_WIDTH), node.size[1]]) // a saved workflow's size replaces it
     for (const w of node.widgets ?? []) {
+      if (w.name === 'single_strength' || parseInputName(w.name)) this.watch(w)
       if (!parseInputName(w.name)) continue
       const own = w.serializeValue
       // Rows not in use stay out of the API prompt; rows in use go in as they are.
@@ -46,6 +47,18 @@ export class RowsController {
         inPrompt(w.name, this.count, this.singleStrength()) ? (own ? own.call(w, n, i) : w.value) : undefined
     }
     this.sync()
+  }
+
+  /** Redraw after `w` changes: the classic canvas also calls the node's onWidgetChanged, but the Vue node
+   * renderer ("Nodes 2.0") and the Parameters side panel call only the widget's callback. */
+  watch(w) {
+    const own = w.callback
+    const controller = this
+    w.callback = function (...args) {
+      const r = own?.apply(this, args)
+      controller.widgetChanged(w.name)
+      return r
+    }
   }
 
   widget(name) {
@@ -62,7 +75,7 @@ export class RowsController {
   }
 
   singleStrength() {
-    return this.get('single_strength') === true
+    return booleanValue(this.get('single_strength')) === true
   }
 
   slotOf(name) {
@@ -93,23 +106,26 @@ export class RowsController {
     this.count = Math.max(1, rows.length)
   }
 
-  /** Move values and links together: new row j takes old row order[j] (-1: a new default row). */
+  /** Move values and links together: new row j takes old row order[j] (-1: a new default row). A link keeps
+   * its reroutes, and inside a subgraph a link from the subgraph's own inputs moves as any other. */
   reorder(order) {
     const rows = applyOrder(this.rows(), order)
+    const graph = this.node.graph
     const moved = []
     for (let old = 0; old < this.count; old++) {
       for (const f of FIELDS) {
         const slot = this.slotOf(inputName(f, old + 1))
         const link = slot >= 0 ? this.node.getInputLink(slot) : null
-        if (link) moved.push({ old, f, slot, origin: link.origin_id, originSlot: link.origin_slot })
+        if (link) moved.push({ old, f, slot, link, from: link.resolve?.(graph)?.subgraphInput })
       }
     }
-    for (const m of moved) this.node.disconnectInput(m.slot)
+    for (const m of moved) this.node.disconnectInput(m.slot, true)
     this.writeRows(rows)
-    const graph = this.node.graph
     order.forEach((old, j) => {
-      for (const m of moved.filter((x) => x.old === old)) {
-        graph?.getNodeById(m.origin)?.connect(m.originSlot, this.node, this.slotOf(inputName(m.f, j + 1)))
+      for (const { f, link, from } of moved.filter((x) => x.old === old)) {
+        const slot = this.slotOf(inputName(f, j + 1))
+        if (from) from.connect(this.node.inputs[slot], this.node, link.parentId)
+        else graph?.getNodeById(link.origin_id)?.connect(link.origin_slot, this.node, slot, link.parentId)
       }
     })
     this.sync()
@@ -153,8 +169,19 @@ export class RowsController {
       this.writeRows(snap.rows)
     } else {
       this.count = inferCount((n) => this.get(n), this.capacity, (n) => this.isLinked(n))
+      this.booleansAsBooleans()
     }
     this.sync()
+  }
+
+  /** A toggle saved as the text 'true' or 'false' becomes that boolean, so that the toggle, the panel and the
+   * prompt agree: the server would read any non-empty text as true. */
+  booleansAsBooleans() {
+    for (const w of this.node.widgets ?? []) {
+      if (w.name !== 'single_strength' && parseInputName(w.name)?.field !== 'enabled') continue
+      const b = booleanValue(w.value)
+      if (b !== null) this.set(w.name, b)
+    }
   }
 
   serialize(data) {
@@ -213,5 +240,17 @@ export class RowsController {
       ? `⚠ ${this.dropped} saved row${this.dropped === 1 ? '' : 's'} did not fit: this version holds ${this.capacity}`
       : ''
     this.panel.render({ rows: view, canAdd: this.count < this.capacity, cache: cacheLine(status), notice })
+    this.shown = this.shownKey()
+  }
+
+  /** What the panel shows, as text: the mode and the rows in use. */
+  shownKey() {
+    return JSON.stringify([this.singleStrength(), this.rows()])
+  }
+
+  /** Called as the node is drawn: catch up with a change that reached no callback, as an edit through a widget
+   * promoted to a subgraph's node does to the node inside it. */
+  drawn() {
+    if (this.shown !== this.shownKey()) this.sync()
   }
 }

@@ -2,8 +2,9 @@
  * The pack's frontend extension: rows, status and metadata on LoRAStackRows nodes.
  *
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
- * (onNodeCreated, onAdded, onConfigure, onSerialize, onWidgetChanged, onConnectionsChange,
- * onRemoved), and fetches the pack's read-only routes. The rows live in controller.js and rows.js.
+ * (onNodeCreated, onAdded, onConfigure, onSerialize, onWidgetChanged, onDrawForeground,
+ * onConnectionsChange, onRemoved), and fetches the pack's read-only routes. The rows live in
+ * controller.js and rows.js.
  */
 
 import { api } from '../../scripts/api.js'
@@ -108,6 +109,9 @@ app.registerExtension({
     })
     chain(proto, 'onWidgetChanged', function (name) {
       this.multiloraRows?.widgetChanged(name)
+    })
+    chain(proto, 'onDrawForeground', function () {
+      this.multiloraRows?.drawn()
     })
     chain(proto, 'onConnectionsChange', function () {
       this.multiloraRows?.connectionsChanged()

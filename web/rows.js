@@ -54,11 +54,18 @@ export function strengthValue(v) {
   return Number.isFinite(n) ? n : null
 }
 
+/** A boolean from a boolean or the text 'true' / 'false' (a workflow written by hand or by a script), else null. */
+export function booleanValue(v) {
+  if (typeof v === 'boolean') return v
+  const m = typeof v === 'string' ? /^\s*(true|false)\s*$/i.exec(v) : null
+  return m ? m[1].toLowerCase() === 'true' : null
+}
+
 /** The row values that a node may hold: anything else becomes the default. */
 export function cleanRow(raw) {
   const row = defaultRow()
   if (!raw || typeof raw !== 'object') return row
-  if (typeof raw.enabled === 'boolean') row.enabled = raw.enabled
+  row.enabled = booleanValue(raw.enabled) ?? row.enabled
   if (typeof raw.lora === 'string' && raw.lora.trim()) row.lora = raw.lora
   for (const f of ['strength_model', 'strength_clip']) {
     const v = strengthValue(raw[f])
@@ -114,7 +121,7 @@ export function readSnapshot(snap, capacity) {
   if (rows.length === 0) rows.push(defaultRow())
   return {
     rows,
-    singleStrength: snap.single_strength === true,
+    singleStrength: booleanValue(snap.single_strength) === true,
     dropped: Math.max(0, snap.rows.length - rows.length),
   }
 }

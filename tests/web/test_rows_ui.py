@@ -176,6 +176,18 @@ def test_rows_add_pick_toggle_remove_and_move(ui, browser, artifacts):
     P.screenshot(b, node, artifacts / "rows_edited.png")
 
 
+# For each linked input of a node that runs through a reroute: [the reroute, whether it lists the link].
+REROUTES = """(id) => {
+  const n = app.graph.getNodeById(id)
+  const out = {}
+  for (const i of n.inputs) {
+    const l = i.link == null ? null : app.graph.getLink(i.link)
+    if (l?.parentId != null) out[i.name] = [l.parentId, app.graph.reroutes.get(l.parentId)?.linkIds.has(l.id) ?? false]
+  }
+  return out
+}"""
+
+
 def test_strengths_are_real_inputs_that_move_with_their_row(ui, browser):
     """A strength converted to a socket takes its value from another node, and the link follows its row."""
     b, node = browser, rows_node(ui)
@@ -189,13 +201,22 @@ def test_strengths_are_real_inputs_that_move_with_their_row(ui, browser):
     P.settle(b)
     P.drag_link(b, (prim, "FLOAT"), (node, "strength_model_2"))
     assert P.state(b, node)["links"].get("strength_model_2") == [prim, 0]
+    # A reroute on the link, as the link's "Add Reroute" makes: the link keeps it as it moves.
+    reroute = b.js("""(id) => {
+      const n = app.graph.getNodeById(id)
+      const link = app.graph.getLink(n.inputs[n.findInputSlot('strength_model_2')].link)
+      return app.graph.createReroute([400, 520], link).id
+    }""", node)
+    assert b.js(REROUTES, node) == {"strength_model_2": [reroute, True]}
     click_panel(b, node, 2, "down")
     s = P.state(b, node)
     assert s["links"].get("strength_model_3") == [prim, 0] and "strength_model_2" not in s["links"]
     assert s["rows"][2]["lora"] == CHARACTER and s["rows"][1]["lora"] == DETAIL
+    assert b.js(REROUTES, node) == {"strength_model_3": [reroute, True]}
     click_panel(b, node, 3, "up")
     s = P.state(b, node)
     assert s["links"].get("strength_model_2") == [prim, 0] and s["rows"] == FINAL_ROWS
+    assert b.js(REROUTES, node) == {"strength_model_2": [reroute, True]}
     ui["primitive"] = prim
 
 
@@ -297,7 +318,7 @@ def test_saved_workflow_reloads_with_identical_values(ui, browser, artifacts):
 
 
 @pytest.mark.parametrize("case", ["inputs_reordered", "no_snapshot", "newer_snapshot", "fewer_rows_saved",
-                                  "more_rows_than_this_version_holds"])
+                                  "more_rows_than_this_version_holds", "toggles_saved_as_text"])
 def test_workflows_from_other_versions_load(ui, browser, case):
     """Rows come back by name from the snapshot whatever the positional widgets_values say; a workflow
     without a snapshot (older, or written by a tool) falls back to the widget values."""
@@ -325,9 +346,22 @@ def test_workflows_from_other_versions_load(ui, browser, case):
         extra = [row(META_LORA, round(0.1 * i, 2)) for i in range(capacity + 2 - len(FINAL_ROWS))]
         n["properties"]["multilora_rows"]["rows"] += extra
         expected = (FINAL_ROWS + extra)[:capacity]
+    elif case == "toggles_saved_as_text":  # written by a script: ComfyUI's server would read any text as true
+        del n["properties"]["multilora_rows"]
+        names = b.js("(id) => app.graph.getNodeById(id).widgets.map((w) => w.name)", node)  # widgets_values' order
+        for name, text in (("single_strength", "true"), ("enabled_1", "false"), ("enabled_4", "True")):
+            n["widgets_values"][names.index(name)] = text
+        expected = [dict(r) for r in FINAL_ROWS]
+        expected[0]["enabled"], expected[3]["enabled"] = False, True
     b.js("async (w) => { await app.loadGraphData(w) }", w)
     s = P.state(b, node)
     assert s["rows"] == expected and s["count"] == len(expected)
+    if case == "toggles_saved_as_text":  # the toggles, the panel and the prompt all read the booleans
+        assert s["single"] is True and s["values"]["single_strength"] is True
+        assert [r["enabled"] for r in s["panel"]] == [r["enabled"] for r in expected]
+        inputs = P.prompt(b, node)["inputs"]
+        assert (inputs["single_strength"], inputs["enabled_1"], inputs["enabled_4"]) == (True, False, True)
+        assert not [k for k in inputs if k.startswith("strength_clip_")]
     notice = b.call("texts", selector=P.panel(node, ".mlora-cache[data-error='true']"))
     holds = f"⚠ 2 saved rows did not fit: this version holds {s['capacity']}"
     assert notice == ([holds] if case.startswith("more") else [])
@@ -352,6 +386,16 @@ def test_single_strength_mode(ui, browser, artifacts):
 
 VUE_LABELS = """(id) => [...document.querySelectorAll(`[data-node-id="${id}"] [data-testid=widget-layout-field-label]`)]
   .map((e) => e.textContent.trim())"""
+
+
+# The centre of the toggle option `text` ('on' / 'off') of the Vue widget labelled `label`.
+VUE_TOGGLE = """({node, label, text}) => {
+  const el = document.querySelector(`[data-node-id="${node}"]`)
+  const leaf = (t) => [...el.querySelectorAll('*')].filter((e) => e.children.length === 0 && e.textContent.trim() === t)
+  const y = leaf(label)[0].getBoundingClientRect().y
+  const r = leaf(text).find((e) => Math.abs(e.getBoundingClientRect().y - y) < 12).getBoundingClientRect()
+  return [r.x + r.width / 2, r.y + r.height / 2]
+}"""
 
 
 def vue_labels(b, node, want, timeout_s=30.0):
@@ -385,11 +429,66 @@ def test_rows_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
         click_panel(b, node, len(FINAL_ROWS) + 1, "remove")
         assert vue_labels(b, node, shown, 10) == shown
         assert P.state(b, node)["rows"] == FINAL_ROWS
+        # The Vue widgets call a widget's callback, not the node's onWidgetChanged: the panel follows them too.
+        last = len(FINAL_ROWS)
+        for text, want in (("on", True), ("off", False)):
+            x, y = b.js(VUE_TOGGLE, {"node": node, "label": f"row {last}", "text": text})
+            b.call("mouse", action="click", x=x, y=y)
+            P.settle(b)
+            s = P.state(b, node)
+            assert s["values"][f"enabled_{last}"] is want and s["panel"][last - 1]["enabled"] is want
         b.call("screenshot", path=str(artifacts / "rows_vue_nodes.png"))
     finally:
         web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
         b.call("reload", timeout=60_000, timeout_s=90)
         P.wait_ready(b)
+
+
+# The linked inputs of node `id` in the graph on the canvas (a subgraph, when one is open): {name: origin node}.
+CANVAS_LINKS = """(id) => {
+  const g = app.canvas.graph
+  const n = g.getNodeById(id)
+  return Object.fromEntries(n.inputs.filter((i) => i.link != null).map((i) => [i.name, g.getLink(i.link).origin_id]))
+}"""
+
+
+def test_a_row_moved_inside_a_subgraph_keeps_a_link_from_the_subgraph_input(ui, browser):
+    """Inside a subgraph a strength linked from outside comes from the subgraph's input node (id -10), which is
+    no node of the graph: the link still moves with its row, and the prompt still carries it."""
+    b, node = browser, rows_node(ui)
+    if "saved" not in ui or "primitive" not in ui:
+        pytest.skip("needs the workflow saved by test_saved_workflow_reloads_with_identical_values")
+    b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
+    try:
+        b.js("""async (id) => {
+          app.canvas.deselectAll()
+          app.canvas.select(app.graph.getNodeById(id))
+          await app.extensionManager.command.execute('Comfy.Graph.ConvertToSubgraph')
+          const outer = app.graph.nodes.find((n) => n.isSubgraphNode?.())
+          app.canvas.openSubgraph(outer.subgraph, outer)
+        }""", node)
+        P.settle(b, 0.8)
+        assert b.js(CANVAS_LINKS, node) == {"strength_model_2": -10}
+        click_panel(b, node, 2, "down")
+        assert b.js(CANVAS_LINKS, node) == {"strength_model_3": -10}
+        inputs = b.js("""async () => Object.values((await app.graphToPrompt()).output)
+          .find((n) => n.class_type === 'LoRAStackRows').inputs""")
+        assert inputs["strength_model_3"] == [str(ui["primitive"]), 0] and inputs["lora_3"] == CHARACTER
+        assert not isinstance(inputs["strength_model_2"], list)
+        # A widget promoted to the subgraph's node sets the inner widget's value and calls nothing on this node:
+        # the panel catches up when the node is next drawn.
+        for value in (False, True):
+            b.js("""({id, value}) => {
+              app.canvas.graph.getNodeById(id).widgets.find((w) => w.name === 'enabled_1').value = value
+              app.canvas.setDirty(true, true)
+            }""", {"id": node, "value": value})
+            P.settle(b)
+            shown = b.js("""(id) => [...app.canvas.graph.getNodeById(id).multiloraRows.panel.element
+              .querySelectorAll('.mlora-row')].map((r) => r.dataset.enabled)""", node)
+            assert shown[0] == str(value).lower()
+    finally:
+        b.js("async () => { await app.extensionManager.command.execute('Comfy.Graph.ExitSubgraph') }")
+        b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
 
 
 def test_no_console_errors_or_warnings_from_the_extension(ui, browser):

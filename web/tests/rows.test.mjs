@@ -2,7 +2,7 @@ import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
 import {
-  DEFAULT_ROW, NONE, SNAPSHOT_KEY, SNAPSHOT_VERSION, applyOrder, cleanRow, inPrompt, inferCount, inputName,
+  DEFAULT_ROW, NONE, SNAPSHOT_KEY, SNAPSHOT_VERSION, applyOrder, booleanValue, cleanRow, inPrompt, inferCount, inputName,
   makeSnapshot, orderAfterAdd, orderAfterMove, orderAfterRemove, parseInputName, promptInputs, readRows,
   readSnapshot, rowCapacity, rowValues, stackEntries,
 } from '../rows.js'
@@ -55,6 +55,17 @@ test('cleanRow keeps valid values and defaults the rest', () => {
   }
   assert.deepEqual(cleanRow({ lora: 'x', strength_model: 1e9, strength_clip: -1e9 }),
     { ...DEFAULT_ROW, lora: 'x', strength_model: 100, strength_clip: -100 })
+})
+
+test('a toggle saved as text reads as the boolean it names, and nothing else does', () => {
+  for (const [v, want] of [[true, true], [false, false], ['true', true], [' FALSE ', false], ['False', false]]) {
+    assert.equal(booleanValue(v), want, JSON.stringify(v))
+  }
+  for (const v of ['yes', '', '1', 1, 0, null, undefined, {}, 'truee']) assert.equal(booleanValue(v), null, String(v))
+  assert.equal(cleanRow({ lora: 'x', enabled: 'false' }).enabled, false)
+  assert.equal(cleanRow({ lora: 'x', enabled: 'yes' }).enabled, true)
+  assert.equal(readSnapshot({ v: 1, single_strength: 'true', rows: [A] }, 12).singleStrength, true)
+  assert.equal(readSnapshot({ v: 1, single_strength: 'yes', rows: [A] }, 12).singleStrength, false)
 })
 
 test('rows read back what rowValues wrote, and unused rows hold defaults', () => {
