@@ -47,35 +47,11 @@ from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
 PROBE_DIR = ROOT / "bench" / "comfy_probe"
-PROBE_NAME = "multilora-bench-probe"
 EXTRA_LORA = ("synth_kohya_b.safetensors", dict(kind="kohya", seed=404, rank=8))
 LORA_ORDER = ("kohya", "peft", "locon")  # then EXTRA_LORA
 VARIANTS = ("ours", "stock", "bypass")
 PROBE_RE = re.compile(r"\[bench-probe\] load_models_gpu ([0-9.]+) s: (\S*)")
 NODE_RE = re.compile(r"\[bench-probe\] node (\S+) (\S+) ([0-9.]+) s")
-
-
-class BenchServer(cs.ComfyServer):
-    """A ComfyServer that also loads the timing probe as a second (whitelisted) custom node folder."""
-
-    def __init__(self, *a, probe: bool = True, **kw):
-        super().__init__(*a, **kw)
-        self.probe = probe
-
-    def _prepare_dirs(self) -> None:
-        super()._prepare_dirs()
-        if self.probe:
-            link = self.custom_nodes_dir / PROBE_NAME
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            link.symlink_to(PROBE_DIR, target_is_directory=True)
-
-    def command(self) -> list[str]:
-        cmd = super().command()
-        if self.probe and "--whitelist-custom-nodes" in cmd:
-            i = cmd.index("--whitelist-custom-nodes")
-            cmd.insert(i + 2, PROBE_NAME)
-        return cmd
 
 
 def models_dir(assets: dict, extra: Path) -> tuple[Path, list[str]]:
@@ -280,8 +256,9 @@ def main() -> int:
 
     # Classic caching: ComfyUI's default RAM-pressure cache drops cached outputs (the checkpoint too)
     # whenever free RAM dips under its headroom, which other jobs on a shared machine cause at random.
-    srv = BenchServer(comfy_root=root, python=python, models_dir=mdir, probe=not args.no_probe, cpu=not args.gpu,
-                      extra_args=[] if args.ram_cache else ["--cache-classic"])
+    srv = cs.ComfyServer(comfy_root=root, python=python, models_dir=mdir, cpu=not args.gpu,
+                         other_packs=[] if args.no_probe else [PROBE_DIR],
+                         extra_args=[] if args.ram_cache else ["--cache-classic"])
     results: dict[tuple[str, int], dict] = {}
     try:
         srv.start()

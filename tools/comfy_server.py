@@ -12,7 +12,9 @@ Locating ComfyUI:
 
 Isolation: each ComfyServer gets its own temporary work directory with
 output/, input/, temp/, user/, a sqlite database, a custom_nodes/ directory
-holding a symlink named ``ComfyUI-MultiLoRA`` to the pack root, and an
+holding a symlink named ``ComfyUI-MultiLoRA`` to the pack root (and one to
+each of ``other_packs``, other custom-node folders to load beside it, unless
+it lies in the checkout's own custom_nodes/), and an
 extra_model_paths.yaml that points ComfyUI at a caller-supplied models
 directory (checkpoints, loras, diffusion_models, vae, clip) and at that
 custom_nodes/ directory (utils/extra_config.py accepts any folder name,
@@ -197,6 +199,7 @@ class ComfyServer:
         startup_timeout: float = STARTUP_TIMEOUT,
         env: dict | None = None,
         cpu: bool = True,
+        other_packs: Iterable[str | os.PathLike] = (),
     ):
         root = Path(comfy_root) if comfy_root else find_comfy_root()
         if root is None or not is_comfy_root(root):
@@ -213,6 +216,7 @@ class ComfyServer:
         self.startup_timeout = float(startup_timeout)
         self.env = dict(env or {})
         self.cpu = cpu
+        self.other_packs = [Path(p).resolve() for p in other_packs]
         self._url: str | None = None
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="comfy-host-"))
@@ -256,6 +260,13 @@ class ComfyServer:
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(self.pack_root, target_is_directory=True)
+        for pack in self.other_packs:
+            if pack.parent == self.comfy_root / "custom_nodes":
+                continue  # ComfyUI loads it from there, once its name is whitelisted
+            link = self.custom_nodes_dir / pack.name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(pack, target_is_directory=True)
         lines = ["multilora_host_tests:", f"  base_path: {json.dumps(str(self.models_dir))}"]
         for sub in MODEL_SUBDIRS:
             lines.append(f"  {sub}: {sub}")
@@ -287,7 +298,8 @@ class ComfyServer:
             ("--disable-api-nodes", []),
         ]
         if self.only_pack_custom_nodes and self.pack_root is not None:
-            optional += [("--disable-all-custom-nodes", []), ("--whitelist-custom-nodes", [PACK_DIR_NAME])]
+            whitelist = [PACK_DIR_NAME, *(p.name for p in self.other_packs)]
+            optional += [("--disable-all-custom-nodes", []), ("--whitelist-custom-nodes", whitelist)]
         for flag, values in optional:
             if flag in flags:
                 cmd += [flag, *values]
@@ -418,16 +430,22 @@ class ComfyServer:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_text()[-chars:]
 
-    def pack_import_error(self) -> str | None:
-        """The traceback ComfyUI logged when importing the pack failed, else None.
+    def pack_import_error(self, other: Path | None = None) -> str | None:
+        """The traceback ComfyUI logged when importing the pack (or `other`, one of `other_packs`) failed, else
+        None.
 
         ComfyUI keeps running when a custom node pack fails to import; the
         failure only shows up in the log ("Cannot import <path> module for
         custom nodes: ...", preceded by the traceback).
         """
-        if self.pack_root is None:
+        if other is not None:
+            other = Path(other).resolve()
+            where = other if other.parent == self.comfy_root / "custom_nodes" else self.custom_nodes_dir / other.name
+        elif self.pack_root is None:
             return None
-        marker = f"Cannot import {self.custom_nodes_dir / PACK_DIR_NAME} module for custom nodes"
+        else:
+            where = self.custom_nodes_dir / PACK_DIR_NAME
+        marker = f"Cannot import {where} module for custom nodes"
         lines = self.log_text().splitlines()
         for i, line in enumerate(lines):
             if marker in line:

@@ -72,6 +72,33 @@ def models_dir(tmp_path_factory, synth_assets) -> Path:
     return root
 
 
+UNET_NAME = "synth_sd15_unet.safetensors"
+
+
+def unet_of_checkpoint(checkpoint) -> Path:
+    """The synthetic checkpoint's UNet alone, with ComfyUI's native key names, in the synthetic files' cache."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    cache = synth.default_cache_dir() / ("unet_of_" + os.path.basename(checkpoint))
+    if not cache.exists():
+        prefix = "model.diffusion_model."
+        with safe_open(str(checkpoint), "pt") as f:
+            sd = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        tmp = str(cache) + ".partial"
+        save_file(sd, tmp)
+        os.replace(tmp, cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def unet_file(models_dir, synth_assets) -> Path:
+    """`UNET_NAME` in diffusion_models: the synthetic checkpoint's UNet (`unet_of_checkpoint`)."""
+    target = models_dir / "diffusion_models" / UNET_NAME
+    if not target.exists():
+        place(unet_of_checkpoint(synth_assets["checkpoint"]), target)
+    return target
+
+
 def place(src, dst) -> None:
     """Hard-link `src` to `dst` (a copy across file systems)."""
     import shutil

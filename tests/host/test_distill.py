@@ -23,31 +23,13 @@ from bench import soak
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
-from .conftest import place
+from .conftest import UNET_NAME, place
 
 pytestmark = pytest.mark.host
 
-UNET = "synth_sd15_unet.safetensors"
+UNET = UNET_NAME
 LORA = synth.LORA_NAMES["kohya"]
 STRENGTH = 0.7
-
-
-@pytest.fixture(scope="module")
-def unet_file(models_dir, synth_assets):
-    """The synthetic checkpoint's UNet, alone, with ComfyUI's native key names."""
-    cache = synth.default_cache_dir() / ("unet_of_" + os.path.basename(synth_assets["checkpoint"]))
-    if not cache.exists():
-        prefix = "model.diffusion_model."
-        with safe_open(str(synth_assets["checkpoint"]), "pt") as f:
-            sd = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-        tmp = str(cache) + ".partial"
-        save_file(sd, tmp)
-        os.replace(tmp, cache)
-    target = models_dir / "diffusion_models" / UNET
-    if not target.exists():
-        os.link(cache, target) if os.stat(cache).st_dev == os.stat(target.parent).st_dev else \
-            target.write_bytes(cache.read_bytes())
-    return target
 
 
 def graph(model_nodes: dict, model_ref, seed=42, prefix="distill") -> dict:

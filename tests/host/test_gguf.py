@@ -1,0 +1,147 @@
+"""MultiLoRALoader on a GGUF-quantized UNet (ComfyUI-GGUF's UnetLoaderGGUF), on a real ComfyUI server.
+
+ComfyUI-GGUF keeps the weights quantized (Q8_0 here) and applies a stock loader's LoRA patches in each
+forward, to the weight it has just dequantized. Ours never reads the weight: it adds the low-rank delta to
+the layer's output. Both compute the same sum, rounded elsewhere, so the floor is ComfyUI's own: its fused
+loader against its bypass loader on one LoRA, and the stock chain against the same chain in reverse order
+(MAD of uint8 pixels). Ours must agree with the stock chain within 3× that floor (at least 0.05: one level on
+5 % of the pixels, where the floor measures 0), and the LoRAs' own effect must be 10× larger.
+
+Needs ComfyUI-GGUF (github.com/city96/ComfyUI-GGUF): $COMFYUI_GGUF_PATH, else
+<ComfyUI>/custom_nodes/ComfyUI-GGUF, and its `gguf` package in ComfyUI's python. Skips, naming what is
+missing, without them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools import comfy_server as cs
+from tools import synth
+
+from .conftest import place, unet_of_checkpoint
+from .test_multilora import mad
+
+pytestmark = pytest.mark.host
+
+GGUF_NAME = "synth_sd15_unet-Q8_0.gguf"
+STACK = ((synth.LORA_NAMES["kohya"], 0.8), (synth.LORA_NAMES["peft"], 0.6), (synth.LORA_NAMES["locon"], -0.5))
+MIN_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def gguf_pack(comfy_root, comfy_python) -> Path:
+    env = os.environ.get("COMFYUI_GGUF_PATH")
+    path = Path(env).expanduser() if env else comfy_root / "custom_nodes" / "ComfyUI-GGUF"
+    if not (path / "nodes.py").is_file():
+        pytest.skip(f"GGUF tests skipped: no ComfyUI-GGUF at {path} (set COMFYUI_GGUF_PATH, or clone "
+                    "github.com/city96/ComfyUI-GGUF into ComfyUI's custom_nodes)")
+    if not cs.python_has_module(comfy_python, "gguf"):
+        pytest.skip(f"GGUF tests skipped: ComfyUI's python {comfy_python} lacks the gguf package "
+                    "(pip install gguf, ComfyUI-GGUF's requirement)")
+    return path.resolve()
+
+
+@pytest.fixture(scope="module")
+def gguf_unet(gguf_pack, comfy_python, models_dir, synth_assets) -> Path:
+    """The synthetic UNet as Q8_0 GGUF, in diffusion_models (cached beside the other synthetic files)."""
+    unet = unet_of_checkpoint(synth_assets["checkpoint"])
+    cache = synth.default_cache_dir() / f"q8_{unet.stem}.gguf"
+    if not cache.exists():
+        script = Path(__file__).with_name("gguf_unet.py")
+        subprocess.run([comfy_python, str(script), str(unet), str(cache)], check=True, timeout=600)
+    target = models_dir / "diffusion_models" / GGUF_NAME
+    if not target.exists():
+        place(cache, target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def gguf_server(comfy_root, comfy_python, models_dir, gguf_pack, gguf_unet, tmp_path_factory):
+    srv = cs.ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
+                         workdir=tmp_path_factory.mktemp("comfy_gguf"), other_packs=[gguf_pack])
+    srv.start()
+    try:
+        error = srv.pack_import_error(gguf_pack)
+        if error:
+            pytest.skip(f"GGUF tests skipped: ComfyUI-GGUF at {gguf_pack} fails to import here:\n{error[-1500:]}")
+        assert srv.pack_import_error() is None, srv.pack_import_error()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def graph(model_nodes: dict, model_ref, prefix: str) -> dict:
+    p = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
+        "2": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": GGUF_NAME}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a synthetic test image"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
+        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "8": {"class_type": "KSampler", "inputs": {
+            "model": model_ref, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "seed": 42,
+            "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},
+    }
+    p.update(model_nodes)
+    return p
+
+
+def stock(stack, loader="LoraLoaderModelOnly") -> dict:
+    nodes, ref = {}, ["2", 0]
+    for j, (name, strength) in enumerate(stack):
+        nodes[f"l{j}"] = {"class_type": loader, "inputs": {"model": ref, "lora_name": name, "strength_model": strength}}
+        ref = [f"l{j}", 0]
+    return graph(nodes, ref, f"gguf_{loader}")
+
+
+def ours(stack) -> dict:
+    nodes, prev = {}, None
+    for j, (name, strength) in enumerate(stack):
+        inputs = {"lora_name": name, "strength_model": strength, "strength_clip": 0.0}
+        if prev:
+            inputs["lora_stack"] = [prev, 0]
+        nodes[f"s{j}"] = {"class_type": "LoRAStack", "inputs": inputs}
+        prev = f"s{j}"
+    nodes["ml"] = {"class_type": "MultiLoRALoader", "inputs": {"model": ["2", 0], "lora_stack": [prev, 0]}}
+    return graph(nodes, ["ml", 0], "gguf_ours")
+
+
+def one(server, prompt) -> np.ndarray:
+    images = server.run(prompt)
+    assert len(images) == 1
+    return images[0]
+
+
+def test_a_stack_on_a_gguf_model_matches_its_own_lora_path(gguf_server, record_property):
+    run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
+    base, reference, mine = run(graph({}, ["2", 0], "gguf_base")), run(stock(STACK)), run(ours(STACK))
+    fused_vs_bypass = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
+    floor = max(fused_vs_bypass, mad(reference, run(stock(STACK[::-1]))))
+    tolerance = max(3 * floor, MIN_TOLERANCE)
+    diff, effect = mad(mine, reference), mad(mine, base)
+    record_property("floor", floor)
+    record_property("ours_vs_stock", diff)
+    print(f"\nGGUF Q8_0: floor {floor:.4f}; ours vs stock chain {diff:.4f}; the LoRAs' effect {effect:.2f}")
+    assert diff <= tolerance
+    assert effect >= 10 * tolerance
+
+
+def test_a_strength_move_on_a_gguf_model_reads_no_file_and_patches_no_weight(gguf_server):
+    first = one(gguf_server, ours(STACK))
+    before = gguf_server.get_json("/multilora/status")
+    moved = one(gguf_server, ours(((STACK[0][0], 0.3), *STACK[1:])))
+    after = gguf_server.get_json("/multilora/status")
+    assert mad(moved, first) > 1.0
+    assert after["cache"]["misses"] == before["cache"]["misses"]
+    copies = lambda s: sum(b["copies"] for b in s["banks"])  # noqa: E731
+    assert copies(after) == copies(before)
+    for m in after["loaded_models"]:
+        assert m["weight_patches"] == 0 and m["weight_backups"] == 0, m
+    assert np.array_equal(one(gguf_server, ours(STACK)), first)
