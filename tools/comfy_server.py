@@ -261,9 +261,9 @@ class ComfyServer:
                 link.unlink()
             link.symlink_to(self.pack_root, target_is_directory=True)
         for pack in self.other_packs:
-            if pack.parent == self.comfy_root / "custom_nodes":
-                continue  # ComfyUI loads it from there, once its name is whitelisted
-            link = self.custom_nodes_dir / pack.name
+            link = self._imported_from(pack)
+            if link == pack:
+                continue  # in the checkout's custom_nodes/: ComfyUI loads it from there, once its name is whitelisted
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(pack, target_is_directory=True)
@@ -278,6 +278,11 @@ class ComfyServer:
             stub = self.workdir / "shims" / "torchaudio"
             stub.mkdir(parents=True, exist_ok=True)
             (stub / "__init__.py").write_text(_TORCHAUDIO_STUB, encoding="utf-8")
+
+    def _imported_from(self, pack: Path) -> Path:
+        """The folder ComfyUI imports one of `other_packs` from: where it lies when that is the checkout's own
+        custom_nodes/, else its link in this server's custom_nodes/."""
+        return pack if pack.parent == self.comfy_root / "custom_nodes" else self.custom_nodes_dir / pack.name
 
     def command(self) -> list[str]:
         flags = supported_cli_flags(self.comfy_root)
@@ -439,8 +444,7 @@ class ComfyServer:
         custom nodes: ...", preceded by the traceback).
         """
         if other is not None:
-            other = Path(other).resolve()
-            where = other if other.parent == self.comfy_root / "custom_nodes" else self.custom_nodes_dir / other.name
+            where = self._imported_from(Path(other).resolve())
         elif self.pack_root is None:
             return None
         else:

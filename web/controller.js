@@ -49,8 +49,9 @@ export class RowsController {
     this.sync()
   }
 
-  /** Redraw after `w` changes: the classic canvas also calls the node's onWidgetChanged, but the Vue node
-   * renderer ("Nodes 2.0") and the Parameters side panel call only the widget's callback. */
+  /** Redraw after `w` changes. A widget's callback is the one hook every editor calls: the classic canvas,
+   * the Vue node renderer ("Nodes 2.0") and the Parameters side panel (the node's onWidgetChanged is called by
+   * the classic canvas alone). A value set with no callback at all is caught up by `drawn`. */
   watch(w) {
     const own = w.callback
     const controller = this

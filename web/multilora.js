@@ -2,9 +2,8 @@
  * The pack's frontend extension: rows, status and metadata on LoRAStackRows nodes.
  *
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
- * (onNodeCreated, onAdded, onConfigure, onSerialize, onWidgetChanged, onDrawForeground,
- * onConnectionsChange, onRemoved), and fetches the pack's read-only routes. The rows live in
- * controller.js and rows.js.
+ * (onNodeCreated, onAdded, onConfigure, onSerialize, onDrawForeground, onConnectionsChange,
+ * onRemoved), and fetches the pack's read-only routes. The rows live in controller.js and rows.js.
  */
 
 import { api } from '../../scripts/api.js'
@@ -106,9 +105,6 @@ app.registerExtension({
     })
     chain(proto, 'onSerialize', function (data) {
       this.multiloraRows?.serialize(data)
-    })
-    chain(proto, 'onWidgetChanged', function (name) {
-      this.multiloraRows?.widgetChanged(name)
     })
     chain(proto, 'onDrawForeground', function () {
       this.multiloraRows?.drawn()

@@ -24,6 +24,8 @@ from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
 from .conftest import UNET_NAME, place
+from .test_multilora import mad, one
+from .workflows import model_graph
 
 pytestmark = pytest.mark.host
 
@@ -32,26 +34,10 @@ LORA = synth.LORA_NAMES["kohya"]
 STRENGTH = 0.7
 
 
-def graph(model_nodes: dict, model_ref, seed=42, prefix="distill") -> dict:
-    p = {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
-        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a synthetic test image"}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
-        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "8": {"class_type": "KSampler", "inputs": {
-            "model": model_ref, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "seed": seed,
-            "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
-        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},
-    }
-    p.update(model_nodes)
-    return p
-
-
 def distill(weight_dtype="default", strength=STRENGTH, unet=UNET, lora=LORA, seed=42, **extra):
-    return graph({"20": {"class_type": "DistillFuse", "inputs": {
+    return model_graph({"20": {"class_type": "DistillFuse", "inputs": {
         "unet_name": unet, "weight_dtype": weight_dtype, "lora_name": lora, "strength": strength, **extra}}},
-        ["20", 0], seed=seed)
+        ["20", 0], seed=seed, prefix="distill")
 
 
 def stock(weight_dtype="default", strength=STRENGTH, loader="LoraLoaderModelOnly", seed=42, unet=UNET):
@@ -61,17 +47,7 @@ def stock(weight_dtype="default", strength=STRENGTH, loader="LoraLoaderModelOnly
         nodes["21"] = {"class_type": loader, "inputs": {"model": ["20", 0], "lora_name": LORA,
                                                         "strength_model": strength}}
         ref = ["21", 0]
-    return graph(nodes, ref, seed=seed)
-
-
-def mad(a, b) -> float:
-    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
-
-
-def one(server, prompt):
-    images = server.run(prompt)
-    assert len(images) == 1
-    return images[0]
+    return model_graph(nodes, ref, seed=seed, prefix="distill")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from tools import comfy_server as cs
 from tools import synth
 
 from .conftest import place, unet_of_checkpoint
-from .test_multilora import mad
+from .test_multilora import assert_reads_copies_and_patches_nothing, mad, one
+from .workflows import model_graph
 
 pytestmark = pytest.mark.host
 
@@ -77,20 +78,8 @@ def gguf_server(comfy_root, comfy_python, models_dir, gguf_pack, gguf_unet, tmp_
 
 
 def graph(model_nodes: dict, model_ref, prefix: str) -> dict:
-    p = {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
-        "2": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": GGUF_NAME}},
-        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a synthetic test image"}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
-        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "8": {"class_type": "KSampler", "inputs": {
-            "model": model_ref, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "seed": 42,
-            "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
-        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},
-    }
-    p.update(model_nodes)
-    return p
+    return model_graph({"2": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": GGUF_NAME}}, **model_nodes},
+                       model_ref, prefix=prefix)
 
 
 def stock(stack, loader="LoraLoaderModelOnly") -> dict:
@@ -113,12 +102,6 @@ def ours(stack) -> dict:
     return graph(nodes, ["ml", 0], "gguf_ours")
 
 
-def one(server, prompt) -> np.ndarray:
-    images = server.run(prompt)
-    assert len(images) == 1
-    return images[0]
-
-
 def test_a_stack_on_a_gguf_model_matches_its_own_lora_path(gguf_server, record_property):
     run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
     base, reference, mine = run(graph({}, ["2", 0], "gguf_base")), run(stock(STACK)), run(ours(STACK))
@@ -139,9 +122,5 @@ def test_a_strength_move_on_a_gguf_model_reads_no_file_and_patches_no_weight(ggu
     moved = one(gguf_server, ours(((STACK[0][0], 0.3), *STACK[1:])))
     after = gguf_server.get_json("/multilora/status")
     assert mad(moved, first) > 1.0
-    assert after["cache"]["misses"] == before["cache"]["misses"]
-    copies = lambda s: sum(b["copies"] for b in s["banks"])  # noqa: E731
-    assert copies(after) == copies(before)
-    for m in after["loaded_models"]:
-        assert m["weight_patches"] == 0 and m["weight_backups"] == 0, m
+    assert_reads_copies_and_patches_nothing(before, after)
     assert np.array_equal(one(gguf_server, ours(STACK)), first)

@@ -45,6 +45,16 @@ def one(server, prompt) -> np.ndarray:
     return images[0]
 
 
+def assert_reads_copies_and_patches_nothing(before: dict, after: dict) -> None:
+    """Between two /multilora/status reads: no LoRA file was read again, no adapter copied into a slot again,
+    and no loaded model holds a weight patch or a backup."""
+    assert after["cache"]["misses"] == before["cache"]["misses"]
+    copies = lambda s: sum(b["copies"] for b in s["banks"])  # noqa: E731
+    assert copies(after) == copies(before)
+    for m in after["loaded_models"]:
+        assert m["weight_patches"] == 0 and m["weight_backups"] == 0, m
+
+
 def status(server) -> dict:
     return server.get_json("/multilora/status")
 
@@ -212,12 +222,8 @@ def test_strength_only_rerun_reads_no_file_and_patches_no_weight(server, ours, r
     changed = one(server, wf.set_entry(ours, NAMES[0], strength_model=0.3))
     after = status(server)
     assert mad(changed, reference["ours"]) > 1.0  # the new strength took effect
-    assert after["cache"]["misses"] == before["cache"]["misses"]  # no LoRA file read again
+    assert_reads_copies_and_patches_nothing(before, after)
     assert after["cache"]["hits"] > before["cache"]["hits"]
-    copies = lambda s: sum(b["copies"] for b in s["banks"])  # noqa: E731
-    assert copies(after) == copies(before)  # no adapter re-copied into a slot
-    for m in after["loaded_models"]:
-        assert m["weight_patches"] == 0 and m["weight_backups"] == 0, m
     model_banks = [b for b in after["banks"] if "text encoder" not in b["model"]]
     assert model_banks and sorted(s["name"] for s in model_banks[0]["slots"] if s) == sorted(NAMES)
     # And back: the first strength gives the first image again, bit for bit.

@@ -103,3 +103,21 @@ def drop_entry(prompt: dict, lora_name: str) -> dict:
                     node["inputs"][k] = upstream
     del p[nid]
     return p
+
+
+def model_graph(model_nodes: dict, model_ref, seed: int = 42, prefix: str = "model") -> dict:
+    """A 64×64, 2-step image from the model at `model_ref` (built by `model_nodes`), with the synthetic
+    checkpoint's text encoder and VAE."""
+    p = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": synth.CHECKPOINT_NAME}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a synthetic test image"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
+        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "8": {"class_type": "KSampler", "inputs": {
+            "model": model_ref, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "seed": seed,
+            "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}},
+    }
+    p.update(model_nodes)
+    return p
