@@ -15,10 +15,11 @@ every patch defines a weight delta ΔW so that the patched layer computes
 - `LoKr`      ΔW = kron(W1, W2) · alpha/r, W1 and W2 either full or low-rank.
 - `FullDiff`  ΔW stored as is.
 
-DoRA (`dora_scale`) follows ComfyUI's semantics so that stacks give the same
-image as stock loaders: with W' = W + ΔW, the decomposed weight is
-W_d = m ⊙ W' / ‖W'‖ (norm over every axis but the magnitude's), and strength s
-moves linearly from W to W_d: ΔW_dora = W_d − W, applied as s · ΔW_dora.
+DoRA (`dora_scale`, PEFT's `lora_magnitude_vector`): with W' = W + ΔW, the decomposed
+weight is W_d = m ⊙ W' / ‖W'‖ (norm over every axis but the magnitude's), as DoRA,
+LyCORIS and PEFT define it, and strength s moves linearly from W to W_d, as in ComfyUI:
+ΔW_dora = W_d − W, applied as s · ΔW_dora. (ComfyUI 0.28's LoraLoader divides a
+magnitude on the output axis by ‖W‖, the base weight's norm, instead.)
 """
 
 from __future__ import annotations

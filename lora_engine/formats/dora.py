@@ -22,8 +22,10 @@ def parse(tensors: dict[str, torch.Tensor], layers: dict[str, LayerPatch], ctx: 
                 raise LoRAFormatError("DoRA magnitude without a weight patch for the same layer", path=ctx.path,
                                       key=prefix + suffix, remedy="the file is incomplete; re-export it")
             magnitude = tensors.pop(prefix + suffix)
-            if suffix != ".dora_scale" and magnitude.dim() == 1:
-                magnitude = magnitude.reshape(-1, 1)  # PEFT stores the per-output magnitude flat
+            if suffix != ".dora_scale":
+                # PEFT's magnitude is always per output channel: flat ([out]) on a Linear, [1, out, 1, 1] on a
+                # conv, where a 4-D `dora_scale` of that shape would mean the input axis.
+                magnitude = magnitude.reshape(-1, 1)
             entry.dora_scale = magnitude
             entry.source_keys.append(prefix + suffix)
             found = True
