@@ -210,6 +210,8 @@ class MatchReport:
     unmatched: tuple[str, ...]
     leftover: tuple[str, ...]
     formats: tuple[str, ...]
+    # Of `unmatched`, the prefixes whose layer the model has but the runtime path does not hook: (prefix, class).
+    unhookable: tuple[tuple[str, str], ...] = ()
 
     @property
     def partial(self) -> bool:
@@ -226,6 +228,8 @@ class MatchReport:
              f"({'+'.join(self.formats)}, path {self.runtime_path}: {self.low_rank} low-rank, {self.dense} dense)")
         if self.unmatched:
             s += f"; {len(self.unmatched)} unmatched, e.g. {', '.join(self.unmatched[:3])}"
+        if self.unhookable:
+            s += f" ({unhookable_note(self.unhookable)})"
         if self.leftover:
             s += f"; {len(self.leftover)} unparsed keys, e.g. {', '.join(self.leftover[:3])}"
         return s
@@ -234,7 +238,14 @@ class MatchReport:
         return {"adapter": self.adapter, "path": self.path, "model": self.model, "matched": self.matched,
                 "low_rank": self.low_rank, "dense": self.dense, "unmatched": list(self.unmatched),
                 "leftover": list(self.leftover), "formats": list(self.formats), "partial": self.partial,
-                "runtime_path": self.runtime_path}
+                "runtime_path": self.runtime_path, "unhookable": [list(u) for u in self.unhookable]}
+
+
+def unhookable_note(unhookable) -> str:
+    """What a report says of the keys on layers the runtime path does not hook."""
+    kinds = ", ".join(sorted({kind for _, kind in unhookable}))
+    return (f"{len(unhookable)} of them on layers the runtime path does not hook ({kinds}); "
+            "ComfyUI's LoraLoader fuses those into the weights")
 
 
 @dataclass
@@ -261,14 +272,26 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         pieces.setdefault(target.module, []).append(Piece(patch, target.out_slice, target.rows))
     plans = {name: ModulePlan(name, keymap.modules[name], geometry[name], ps, adapter.path)
              for name, ps in pieces.items()}
+    unhookable = tuple((p, kind) for p in sorted(unmatched) if (kind := keymap.unhookable(p)) is not None)
     if not plans:
-        raise LoRANoMatchError(f"the adapter matches no layer of {model_name} ({len(adapter.layers)} layer keys, "
-                               f"e.g. {', '.join(list(adapter.layers)[:3])})", path=adapter.path,
-                               remedy="it is probably a LoRA for another model family")
+        raise no_match(f"the adapter matches no layer of {model_name}", adapter, unhookable)
     low = sum(1 for p in plans.values() if p.low_rank)
     report = MatchReport(adapter.name, adapter.path, model_name, len(plans), low, len(plans) - low,
-                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats)
+                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats, unhookable)
     return Binding(adapter, plans, report)
+
+
+def no_match(what: str, adapter: Adapter, unhookable) -> LoRANoMatchError:
+    """The error for an adapter that reaches no layer: `unhookable` says whether its keys name layers the model
+    has but the runtime path does not hook, rather than layers of another model family."""
+    n, examples = len(adapter.layers), ", ".join(list(adapter.layers)[:3])
+    if unhookable and {p for p, _ in unhookable} == set(adapter.layers):
+        kinds = ", ".join(sorted({kind for _, kind in unhookable}))
+        return LoRANoMatchError(f"{what}: its {n} layer keys name only layers the runtime path does not hook "
+                                f"({kinds}), e.g. {examples}", path=adapter.path,
+                                remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
+    return LoRANoMatchError(f"{what} ({n} layer keys, e.g. {examples})", path=adapter.path,
+                            remedy="it is probably a LoRA for another model family")
 
 
 def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slice: tuple[int, int] | None) -> None:

@@ -48,6 +48,7 @@ class KeyMap:
         self.module_prefix = module_prefix
         self._defaults = defaults
         self._modules: dict[str, nn.Module] | None = None
+        self._every: dict[str, nn.Module] | None = None
         self._underscore: dict[str, str] | None = None
         self._explicit: dict[str, Target | None] = {}
         self._resolved: dict[str, Target | None] = {}
@@ -93,6 +94,17 @@ class KeyMap:
             if rows is None:
                 return None
         return Target(name, out_slice, rows)
+
+    def unhookable(self, prefix: str) -> str | None:
+        """The class name of the layer the host's map names for `prefix`, where the model has that layer but
+        of a kind the runtime path does not hook (an Embedding, a custom norm); None for any other prefix."""
+        target = self._explicit.get(prefix)
+        if target is None or target.module in self.modules:
+            return None
+        if self._every is None:
+            self._every = dict(self.root.named_modules())
+        module = self._every.get(target.module)
+        return type(module).__name__ if module is not None else None
 
     def resolve(self, prefix: str) -> Target | None:
         target = self._explicit.get(prefix)

@@ -38,6 +38,7 @@ from lora_engine import (
     bind,
     default_cache,
 )
+from lora_engine.binding import no_match, unhookable_note
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError
@@ -207,6 +208,7 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True) -> dict:
     no_clip = set() if clip_connected else {k for k in unmatched if TEXT_ENCODER_LAYER.match(k)}
     unmatched -= no_clip
     parts = [b.report for b in (unet, clip) if b is not None]
+    unhookable = sorted({u for r in parts for u in r.unhookable if u[0] in unmatched})
     report = {
         "adapter": adapter.name, "fingerprint": adapter.fingerprint, "formats": list(adapter.formats),
         "layers_in_file": len(adapter.layers),
@@ -214,7 +216,8 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True) -> dict:
         "clip_layers": clip.report.matched if clip else 0,
         "no_clip_layers": len(no_clip),
         "low_rank": sum(r.low_rank for r in parts), "dense": sum(r.dense for r in parts),
-        "unmatched": sorted(unmatched), "leftover": list(adapter.leftover),
+        "unmatched": sorted(unmatched), "unhookable": [list(u) for u in unhookable],
+        "leftover": list(adapter.leftover),
         "partial": bool(unmatched or adapter.leftover),
     }
     with _lock:
@@ -238,6 +241,8 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
         line += f"; {report['no_clip_layers']} text-encoder layers not applied: no CLIP is connected to the loader"
     if report["unmatched"]:
         line += f"; {len(report['unmatched'])} unmatched, e.g. {', '.join(report['unmatched'][:3])}"
+    if report["unhookable"]:
+        line += f" ({unhookable_note([tuple(u) for u in report['unhookable']])})"
     if report["leftover"]:
         line += f"; {len(report['leftover'])} unparsed keys, e.g. {', '.join(report['leftover'][:3])}"
     (log.warning if report["partial"] else log.info)(line)
@@ -408,9 +413,11 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
         on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
         on_clip = _binding(adapter, clip_root, "clip") if clip_root is not None else None
         if on_model is None and on_clip is None:
-            target = type(unet_root).__name__ + (f" / {type(clip_root).__name__}" if clip_root is not None else "")
-            raise LoRANoMatchError(f"{adapter.name} matches no layer of {target}", path=adapter.path,
-                                   remedy="it is probably a LoRA for another model family")
+            roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
+            unhookable = {(p, kind) for root, k in roots for p in adapter.layers
+                          if (kind := _keymap(root, k).unhookable(p)) is not None}
+            target = " / ".join(type(root).__name__ for root, _ in roots)
+            raise no_match(f"{adapter.name} matches no layer of {target}", adapter, sorted(unhookable))
         _log_once(adapter, unet_root, _report(adapter, on_model, on_clip, clip_root is not None))
         schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
         if on_model is not None:

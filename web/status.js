@@ -27,6 +27,7 @@ export function rowStatus(status, name) {
     noClip: r.no_clip_layers | 0,
     inFile: r.layers_in_file | 0,
     unmatched: (r.unmatched ?? []).length,
+    unhookable: (r.unhookable ?? []).length,
     leftover: (r.leftover ?? []).length,
     partial: !!r.partial,
   }
@@ -56,7 +57,12 @@ export function badges(rs) {
     })
     if (r.partial) {
       const why = []
-      if (r.unmatched) why.push(`${r.unmatched} layers match no layer of the model`)
+      if (r.unmatched) {
+        why.push(`${r.unmatched} layers match no layer of the model` + (r.unhookable
+          ? ` (${r.unhookable} of them name layers the runtime path does not hook, such as embeddings:`
+            + ` ComfyUI's LoraLoader fuses those into the weights)`
+          : ''))
+      }
       if (r.leftover) why.push(`${r.leftover} keys no parser understood`)
       out.push({ kind: 'partial', text: '⚠ partial', title: `Partial match: ${why.join('; ') || 'see the log'}` })
     }

@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from lora_engine import (LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError, NonFiniteError,
-                         SlotBank, load_adapter)
+from lora_engine import (KeyMap, LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError,
+                         NonFiniteError, SlotBank, load_adapter)
 
 from . import lora_files as lf
 
@@ -189,6 +189,36 @@ def test_lora_of_another_model_family(tmp_path):
     with pytest.raises(LoRANoMatchError) as e:
         SlotBank(lf.tiny(), model_name="SD15").activate([(adapter, 1.0)])
     assert "flux.safetensors" in str(e.value) and "SD15" in str(e.value)
+
+
+class _TextEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 8)
+
+
+# As a host maps them (ComfyUI's key maps name embeddings too): one layer the runtime path hooks, one it does not.
+TE_KEYS = {"lora_te_emb": "emb.weight", "lora_te_fc": "fc.weight"}
+
+
+def test_keys_on_layers_the_runtime_path_does_not_hook_are_named_as_such(tmp_path):
+    te = _TextEncoder()
+    tensors = {"lora_te_emb.diff": torch.randn(10, 8), "lora_te_fc.lora_down.weight": torch.randn(2, 8),
+               "lora_te_fc.lora_up.weight": torch.randn(8, 2)}
+    adapter = load_adapter(lf.write(tmp_path, "te.safetensors", tensors))
+    bank = SlotBank(te, keymap=KeyMap(te, TE_KEYS, defaults=False), model_name="TE")
+    bank.activate([(adapter, 1.0)])
+    report = bank.report(adapter)
+    assert report.unmatched == ("lora_te_emb",) and report.unhookable == (("lora_te_emb", "Embedding"),)
+    assert "does not hook (Embedding)" in report.line() and "LoraLoader" in report.line()
+
+    only = load_adapter(lf.write(tmp_path, "emb.safetensors", {"lora_te_emb.diff": torch.randn(10, 8)}))
+    with pytest.raises(LoRANoMatchError) as e:
+        SlotBank(te, keymap=KeyMap(te, TE_KEYS, defaults=False), model_name="TE").activate([(only, 1.0)])
+    text = str(e.value)
+    assert "emb.safetensors" in text and "does not hook (Embedding)" in text and "LoraLoader" in text
+    assert "another model family" not in text
 
 
 def test_failed_activation_leaves_the_previous_set_running(tmp_path):

@@ -43,6 +43,10 @@ def bad_files(models_dir, tmp_path_factory):
     # Keys ComfyUI's convert_lora takes for a BFL control LoRA, without the B factors it then reads.
     save_file({"img_in.lora_A.weight": torch.zeros(4, 64), "single_blocks.0.norm.key_norm.scale": torch.ones(128)},
               str(loras / "bad_half_control.safetensors"))
+    # A full diff of the text encoder's token embedding alone: ComfyUI's key map names the layer (an Embedding),
+    # which only a fusing loader applies.
+    save_file({"text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.diff": torch.zeros(4, 4)},
+              str(loras / "bad_embeddings_only.safetensors"))
     outside = tmp_path_factory.mktemp("outside") / "escaped.safetensors"
     outside.write_bytes(good)
     os.symlink(outside, loras / "bad_symlink_escape.safetensors")
@@ -100,6 +104,8 @@ EXECUTION_ERRORS = [
     ("pickled", lambda o: with_first_entry(o, "bad_pickled.safetensors"), ["bad_pickled.safetensors", "pickle"]),
     ("other family", lambda o: with_first_entry(o, "bad_flux_family.safetensors"),
      ["bad_flux_family.safetensors", "matches no layer", "BaseModel"]),
+    ("embeddings only", lambda o: with_first_entry(o, "bad_embeddings_only.safetensors"),
+     ["bad_embeddings_only.safetensors", "layers the runtime path does not hook (Embedding)", "LoraLoader"]),
     ("nan", lambda o: with_first_entry(o, "bad_nan.safetensors"), ["bad_nan.safetensors", "NaN"]),
     ("symlink escape", lambda o: with_first_entry(o, "bad_symlink_escape.safetensors"),
      ["bad_symlink_escape.safetensors", "outside"]),

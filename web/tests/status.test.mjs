@@ -25,7 +25,7 @@ test('rowStatus: slots, cache and the match report of one LoRA', () => {
   assert.deepEqual(rowStatus(STATUS, 'a.safetensors'), {
     cached: true,
     slots: [{ model: 'BaseModel', slot: 1 }, { model: 'SD1ClipModel (text encoder)', slot: 2 }],
-    report: { model: 10, clip: 2, noClip: 0, inFile: 12, unmatched: 0, leftover: 0, partial: false },
+    report: { model: 10, clip: 2, noClip: 0, inFile: 12, unmatched: 0, unhookable: 0, leftover: 0, partial: false },
   })
   assert.deepEqual(rowStatus(STATUS, 'c.safetensors'), { cached: false, slots: [], report: null })
   assert.equal(rowStatus(STATUS, 'None'), null)
@@ -52,6 +52,16 @@ test('badges: text-encoder layers left out for want of a CLIP are said so, not c
   assert.deepEqual(all.map((b) => b.kind), ['idle', 'layers'])
   assert.equal(all[1].text, '128/200 layers')
   assert.match(all[1].title, /72 text-encoder layers not applied: no CLIP is connected/)
+})
+
+test('badges: keys on layers the runtime path does not hook are said so within the partial match', () => {
+  const status = { reports: [{ adapter: 'e.safetensors', model_layers: 0, clip_layers: 3, layers_in_file: 5,
+    unmatched: ['emb', 'x'], unhookable: [['emb', 'Embedding']], leftover: [], partial: true }] }
+  const partial = badges(rowStatus(status, 'e.safetensors'))[2]
+  assert.equal(partial.kind, 'partial')
+  assert.match(partial.title, /2 layers match no layer of the model \(1 of them name layers the runtime path does not hook/)
+  assert.match(partial.title, /LoraLoader/)
+  assert.doesNotMatch(badges(rowStatus(STATUS, 'b.safetensors'))[2].title, /does not hook/)
 })
 
 test('metaText: family, rank and triggers in one line', () => {
