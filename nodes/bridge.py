@@ -242,7 +242,7 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
     if report["unmatched"]:
         line += f"; {len(report['unmatched'])} unmatched, e.g. {', '.join(report['unmatched'][:3])}"
     if report["unhookable"]:
-        line += f" ({unhookable_note([tuple(u) for u in report['unhookable']])})"
+        line += f" ({unhookable_note(report['unhookable'])})"
     if report["leftover"]:
         line += f"; {len(report['leftover'])} unparsed keys, e.g. {', '.join(report['leftover'][:3])}"
     (log.warning if report["partial"] else log.info)(line)
