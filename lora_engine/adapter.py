@@ -22,11 +22,16 @@ Converter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What makes two reads of a file the same: an edited file gets a new identity."""
+    """What makes two reads of a file the same: an edited file gets a new identity. Size and mtime alone miss a
+    same-size replacement whose old mtime was put back (`cp -p`, `rsync -a`, `os.utime`); that one has another
+    inode (a file renamed over the old one) or a newer ctime (rewritten in place, or its mtime set), which no
+    program can set back."""
 
     path: str
     size: int
     mtime_ns: int
+    inode: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, path: str) -> FileIdentity:
@@ -39,7 +44,7 @@ class FileIdentity:
             raise LoRAFileError("file not found", path=path, remedy="check the name and the loras folder") from None
         except OSError as e:  # a name too long, a permission, a directory in the way
             raise LoRAFileError(f"cannot read the file ({e.strerror})", path=path) from None
-        return cls(real, st.st_size, st.st_mtime_ns)
+        return cls(real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """The process-wide LRU of parsed adapters.
 
-It is keyed by file identity (real path, size, mtime_ns), so an edited file is
-re-read and never served stale. It is bounded by a count and a byte budget,
+It is keyed by file identity (real path, size, mtime_ns, inode, ctime_ns), so an
+edited or replaced file is re-read and never served stale. It is bounded by a count and a byte budget,
 and safe to read from another thread (ComfyUI's server thread polls its stats
 while the prompt worker loads).
 """

@@ -97,15 +97,16 @@ def _check_relative(name: object, folder: str) -> None:
 
 
 def file_state(folder: str, names: Sequence[object]) -> str:
-    """What IS_CHANGED returns for a node that names files: each one's size and modification time, so that a
-    file replaced on disk runs the node, and every node after it, again (ComfyUI otherwise serves their cached
-    outputs, and the new file is read at the next change of an input). Stats only, never reads; a name that
-    does not resolve gives its error, which validation or the run reports."""
+    """What IS_CHANGED returns for a node that names files: each one's size, modification time, inode and
+    status-change time (the file identity of the engine's cache), so that a file replaced on disk runs the
+    node, and every node after it, again (ComfyUI otherwise serves their cached outputs, and the new file is
+    read at the next change of an input). Stats only, never reads; a name that does not resolve gives its
+    error, which validation or the run reports."""
     state = []
     for name in names:
         try:
             st = os.stat(resolve(folder, name))
-            state.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+            state.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}")
         except (LoRAFileError, OSError) as e:
             state.append(f"{name}:{e}")
     return "\n".join(state)
@@ -122,11 +123,17 @@ def load_lora(name: str) -> Adapter:
 
 
 def load_loras(names: Sequence[str]) -> list[Adapter]:
+    """The adapters of a stack's entries, one object per file: an entry naming a file an earlier entry named
+    (under the same name or through a link) gets that entry's adapter, even where the cache has dropped it
+    in between, so that the engine's rules for a LoRA listed twice see one LoRA."""
     pbar = comfy.utils.ProgressBar(len(names)) if names else None
-    out = []
+    out, by_file = [], {}
     for i, name in enumerate(names):
         comfy.model_management.throw_exception_if_processing_interrupted()
-        out.append(load_lora(name))
+        file = os.path.realpath(resolve("loras", name))
+        if file not in by_file:
+            by_file[file] = load_lora(name)
+        out.append(by_file[file])
         pbar.update_absolute(i + 1)
     return out
 

@@ -39,6 +39,24 @@ def test_edited_file_is_reread(files, tmp_path):
     assert cache.stats().misses == 2
 
 
+@pytest.mark.parametrize("how", ["renamed over it", "rewritten in place"])
+def test_a_same_size_replacement_with_the_old_mtime_is_reread(files, tmp_path, how):
+    cache = AdapterCache()
+    first = cache.load(files[0])
+    st = os.stat(files[0])
+    new = lf.write(tmp_path, "other.safetensors", lf.lora_tensors(lf.tiny(), "kohya", 99, rank=2))
+    assert os.path.getsize(new) == st.st_size  # same shapes: only the content tells them apart
+    if how == "renamed over it":
+        os.replace(new, files[0])
+    else:
+        with open(new, "rb") as src, open(files[0], "r+b") as dst:
+            dst.write(src.read())
+    os.utime(files[0], ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p and rsync -a leave it
+    assert (os.stat(files[0]).st_size, os.stat(files[0]).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    second = cache.load(files[0])
+    assert second is not first and second.fingerprint != first.fingerprint
+
+
 def test_same_content_under_two_names_has_one_fingerprint(files, tmp_path):
     import shutil
     copy = shutil.copy(files[1], tmp_path / "copy.safetensors")

@@ -547,7 +547,7 @@ def test_parse_and_bind(workdir, tensors, meta, strength):
             return
         record("parse_tensors", "parsed" if parsed.layers else "no layers")
         if parsed.layers:
-            adapter = Adapter(name="fuzz", identity=FileIdentity(path, 0, 0), fingerprint="fuzz", layers=parsed.layers,
+            adapter = Adapter(name="fuzz", identity=FileIdentity(path, 0, 0, 0, 0), fingerprint="fuzz", layers=parsed.layers,
                               formats=parsed.formats, leftover=parsed.leftover)
             exercise("parse_tensors_binding", adapter, good_adapter(workdir), strength, modest=False)
 

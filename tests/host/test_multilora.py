@@ -311,6 +311,33 @@ def test_a_lora_file_replaced_on_disk_is_read_when_the_prompt_is_queued_again(se
     assert np.array_equal(after, one(server, stack_as(wf.set_entry(ours, NAMES[0], lora_name=reference.name), kind)))
 
 
+def test_a_same_size_replacement_with_its_old_mtime_is_read_again(server, models_dir, ours):
+    """A file put in place with the size and mtime of the one it replaces (`cp -p`, `rsync -a` of a LoRA of
+    the same shapes) is read again: ComfyUI re-runs the stack (IS_CHANGED) and the engine's cache does not
+    serve the old adapter (its key holds the inode and the status-change time too)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    loras = models_dir / "loras"
+    replaced, reference = loras / "same_size.safetensors", loras / "same_size_negated.safetensors"
+    shutil.copyfile(loras / NAMES[0], replaced)
+    with safe_open(str(replaced), "pt") as f:
+        negated = {k: -f.get_tensor(k) if k.endswith("lora_up.weight") else f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    save_file(negated, str(reference), metadata=metadata)
+    prompt = wf.set_entry(ours, NAMES[0], lora_name=replaced.name)
+    before = one(server, prompt)
+    old = os.stat(replaced)
+    shutil.copyfile(reference, loras / "replacing.tmp")
+    os.utime(loras / "replacing.tmp", ns=(old.st_atime_ns, old.st_mtime_ns))
+    os.replace(loras / "replacing.tmp", replaced)
+    now = os.stat(replaced)
+    assert (now.st_size, now.st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    after = one(server, prompt)
+    assert mad(after, before) > 1.0
+    assert np.array_equal(after, one(server, wf.set_entry(ours, NAMES[0], lora_name=reference.name)))
+
+
 def test_seed_only_rerun_reads_no_file(server, ours):
     one(server, ours)
     before = status(server)

@@ -54,3 +54,26 @@ def test_memory_and_state_stay_bounded_over_many_prompts(soak_server, record_pro
     assert not res.problems, "\n".join(res.problems)
     assert s["cache"]["evictions"] > 0 and s["cache"]["bytes"] <= budget  # the budget was exercised and held
     assert not res.over_limit
+
+
+def test_a_lora_listed_twice_around_an_eviction_takes_one_slot(soak_server):
+    """[l0, l1 … l9, l0]: the nine files between the two entries of l0 hold more than the cache's budget, so l0
+    has left the cache when its second entry is loaded. The stack still holds one LoRA per file: it fits
+    max_loras 10, and l0 takes one slot at the sum of its two strengths."""
+    srv, loras, budget = soak_server
+    assert sum(lo.size for lo in loras[1:]) > budget  # l0 is evicted before its second entry is read
+    first, rest = loras[0], loras[1:]
+    stack = ([{"name": first.name, "strength_model": 0.25, "strength_clip": 0.25}]
+             + [{"name": lo.name, "strength_model": 0.1, "strength_clip": 0.1} for lo in rest]
+             + [{"name": first.name, "strength_model": 0.5, "strength_clip": 0.25}])
+    p = soak.prompt(stack, seed=3, steps=2)
+    p["5"]["inputs"]["max_loras"] = len(loras)
+    evictions = srv.get_json("/multilora/status")["cache"]["evictions"]
+    assert len(srv.run(p)) == 1
+    st = srv.get_json("/multilora/status")
+    assert st["cache"]["evictions"] > evictions
+    model_bank = next(b for b in st["banks"] if "text encoder" not in b["model"])
+    # Slots of adapters the stack no longer names stay warm at strength 0.
+    held = [s for s in model_bank["slots"] if s and s["name"] == first.name and s["strength"] != 0]
+    assert [s["strength"] for s in held] == [0.75], model_bank["slots"]
+
