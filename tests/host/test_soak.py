@@ -3,7 +3,10 @@ through 10 LoRA files, with the engine's cache budget set to a third of the file
 MULTILORA_CACHE_MAX_BYTES, so that it evicts all along. After every prompt: the server's resident size
 and GET /multilora/status (cache bytes = the sum of its entries, within budget; slot lists of max_loras;
 engine forward hooks = the banks' layers; no weight patch or backup); the resident size stays within the
-first prompt's + the budget + the slot buffers' growth + RSS_SLACK. `bench/soak.py` is the long run."""
+first prompt's + the budget + the slot buffers' growth + RSS_SLACK. `bench/soak.py` is the long run.
+
+On the same server: a LoRA listed twice with more than the budget's worth of files in between (evicted
+before its second entry is read) still takes one slot."""
 
 from __future__ import annotations
 
@@ -76,4 +79,3 @@ def test_a_lora_listed_twice_around_an_eviction_takes_one_slot(soak_server):
     # Slots of adapters the stack no longer names stay warm at strength 0.
     held = [s for s in model_bank["slots"] if s and s["name"] == first.name and s["strength"] != 0]
     assert [s["strength"] for s in held] == [0.75], model_bank["slots"]
-
