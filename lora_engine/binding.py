@@ -241,10 +241,13 @@ class MatchReport:
                 "runtime_path": self.runtime_path, "unhookable": [list(u) for u in self.unhookable]}
 
 
+def _kinds(unhookable) -> str:
+    return ", ".join(sorted({kind for _, kind in unhookable}))
+
+
 def unhookable_note(unhookable) -> str:
     """What a report says of the keys on layers the runtime path does not hook."""
-    kinds = ", ".join(sorted({kind for _, kind in unhookable}))
-    return (f"{len(unhookable)} of them on layers the runtime path does not hook ({kinds}); "
+    return (f"{len(unhookable)} of them on layers the runtime path does not hook ({_kinds(unhookable)}); "
             "ComfyUI's LoraLoader fuses those into the weights")
 
 
@@ -286,9 +289,8 @@ def no_match(what: str, adapter: Adapter, unhookable) -> LoRANoMatchError:
     has but the runtime path does not hook, rather than layers of another model family."""
     n, examples = len(adapter.layers), ", ".join(list(adapter.layers)[:3])
     if unhookable and {p for p, _ in unhookable} == set(adapter.layers):
-        kinds = ", ".join(sorted({kind for _, kind in unhookable}))
         return LoRANoMatchError(f"{what}: its {n} layer keys name only layers the runtime path does not hook "
-                                f"({kinds}), e.g. {examples}", path=adapter.path,
+                                f"({_kinds(unhookable)}), e.g. {examples}", path=adapter.path,
                                 remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
     return LoRANoMatchError(f"{what} ({n} layer keys, e.g. {examples})", path=adapter.path,
                             remedy="it is probably a LoRA for another model family")

@@ -177,6 +177,13 @@ def supported_cli_flags(comfy_root: Path) -> set[str]:
 # server
 
 
+def _relink(link: Path, target: Path) -> None:
+    """`link` made a symlink to the folder `target`, whatever was there."""
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target, target_is_directory=True)
+
+
 class ComfyServer:
     """A ComfyUI server process bound to 127.0.0.1 on a free port.
 
@@ -256,17 +263,11 @@ class ComfyServer:
         for sub in MODEL_SUBDIRS:
             (self.models_dir / sub).mkdir(parents=True, exist_ok=True)
         if self.pack_root is not None:
-            link = self.custom_nodes_dir / PACK_DIR_NAME
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            link.symlink_to(self.pack_root, target_is_directory=True)
+            _relink(self.custom_nodes_dir / PACK_DIR_NAME, self.pack_root)
         for pack in self.other_packs:
             link = self._imported_from(pack)
-            if link == pack:
-                continue  # in the checkout's custom_nodes/: ComfyUI loads it from there, once its name is whitelisted
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            link.symlink_to(pack, target_is_directory=True)
+            if link != pack:  # in the checkout's custom_nodes/, ComfyUI loads it from there once it is whitelisted
+                _relink(link, pack)
         lines = ["multilora_host_tests:", f"  base_path: {json.dumps(str(self.models_dir))}"]
         for sub in MODEL_SUBDIRS:
             lines.append(f"  {sub}: {sub}")

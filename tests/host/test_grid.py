@@ -57,11 +57,7 @@ def cell_reference(grid_prompt, sx, sy):
 def batching_floor(server, grid_prompt):
     ref = wf.to_stock(cell_reference(grid_prompt, 0.5, 0.5), "20")
     single = server.run(ref)[0]
-    batch = copy.deepcopy(ref)
-    batch["4"]["inputs"]["batch_size"] = 9
-    batch["30"] = {"class_type": "LatentBatchSeedBehavior", "inputs": {"samples": ["4", 0], "seed_behavior": "fixed"}}
-    batch["8"]["inputs"]["latent_image"] = ["30", 0]
-    items = server.run(batch)
+    items = server.run(wf.batched(ref, 9))
     assert len(items) == 9
     resolution = 1.0 / single.size  # one pixel channel off by one level
     return max(resolution, max(mad(i, single) for i in items))

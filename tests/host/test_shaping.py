@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
+from . import workflows as wf
+
 pytestmark = pytest.mark.host
 
 STYLE = synth.LORA_NAMES["kohya"]
@@ -71,15 +73,6 @@ def weighted(preset: str, weights: str = "", name=STYLE) -> dict:
     return {**entry(name),
             "s1": {"class_type": "LoRABlockWeights", "inputs": {"lora_stack": ["s0", 0], "entry": "#1",
                                                                 "preset": preset, "weights": weights}}}
-
-
-def batched(p: dict, n: int) -> dict:
-    """The same graph on n copies of its latent (one seed for every item)."""
-    b = copy.deepcopy(p)
-    b["4"]["inputs"]["batch_size"] = n
-    b["31"] = {"class_type": "LatentBatchSeedBehavior", "inputs": {"samples": ["4", 0], "seed_behavior": "fixed"}}
-    b["8"]["inputs"]["latent_image"] = ["31", 0]
-    return b
 
 
 def two_pass(first: float, second: float, split: int) -> dict:
@@ -156,7 +149,7 @@ def test_grid_axes_over_blocks_and_schedules(server, plain, record_property):
     refs = [plain[1.0]] + [server.run(g)[0] for g in graphs[1:]]
     # Each cell's floor is its own graph's batching noise: the graph run on 4 copies of the same latent
     # (the grid's batch size) against its batch-1 run. Shaped graphs flip other pixels than the plain one.
-    floors = [max(1.0 / ref.size, max(mad(i, ref) for i in server.run(batched(g, len(cells)))))
+    floors = [max(1.0 / ref.size, max(mad(i, ref) for i in server.run(wf.batched(g, len(cells)))))
               for g, ref in zip(graphs, refs)]
     errs = [mad(c, r) for c, r in zip(cells, refs)]
     record_property("grid_cells_vs_runs", f"MAD {errs}, floors {floors}")

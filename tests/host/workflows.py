@@ -121,3 +121,15 @@ def model_graph(model_nodes: dict, model_ref, seed: int = 42, prefix: str = "mod
     }
     p.update(model_nodes)
     return p
+
+
+def batched(prompt: dict, n: int) -> dict:
+    """`prompt` (latent node "4", sampler "8") on n copies of its latent, one seed for every item: its batching
+    floor against the batch-1 image."""
+    p = copy.deepcopy(prompt)
+    p["4"]["inputs"]["batch_size"] = n
+    p["batch_seed"] = {"class_type": "LatentBatchSeedBehavior",
+                       "inputs": {"samples": ["4", 0], "seed_behavior": "fixed"}}
+    p["8"]["inputs"]["latent_image"] = ["batch_seed", 0]
+    return p
+
