@@ -76,8 +76,11 @@ class Adapter:
 
 
 def file_fingerprint(path: str) -> str:
+    digest = hashlib.sha256()  # read in chunks: hashlib.file_digest needs Python 3.11
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:32]
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
 
 
 # LyCORIS layouts that ComfyUI's fused loader applies and no parser here reads, named in the error for such a file:
