@@ -16,7 +16,7 @@ from torch import nn
 
 from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
-from .keymap import KeyMap
+from .keymap import KeyMap, linear_like
 from .patches import LayerPatch, LoHa, LoKr
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Geometry:
 
     @classmethod
     def of(cls, module: nn.Module) -> Geometry:
-        if isinstance(module, nn.Linear):
+        if linear_like(module):
             return cls(0, module.in_features, module.out_features)
         if isinstance(module, nn.GroupNorm):
             return cls(0, 1, module.num_channels, groups=module.num_groups, norm="group", eps=module.eps)

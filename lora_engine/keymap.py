@@ -19,9 +19,22 @@ SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)  # bound for full diffs of their weight and bias only
 
 
+def linear_like(module: nn.Module) -> bool:
+    """An `nn.Linear`, or a layer that computes one without deriving from it: integer `in_features` and
+    `out_features` and a weight of shape [out, in] (ComfyUI's mixed-precision Linear of fp8-scaled and other
+    quantized checkpoints, whose weight is a quantized tensor subclass)."""
+    if isinstance(module, nn.Linear):
+        return True
+    fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    weight = getattr(module, "weight", None)
+    return (type(fan_in) is int and type(fan_out) is int and isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (fan_out, fan_in))
+
+
 def bindable(module: nn.Module) -> bool:
-    """A layer an adapter can target: Linear and Conv, and a norm with a per-channel weight."""
-    if isinstance(module, SUPPORTED):
+    """A layer an adapter can target: Linear (or `linear_like`) and Conv, and a norm with a per-channel
+    weight."""
+    if isinstance(module, SUPPORTED) or linear_like(module):
         return True
     if not isinstance(module, NORMS) or getattr(module, "weight", None) is None:
         return False

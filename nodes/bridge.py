@@ -491,6 +491,9 @@ def cells_that_fit(model, samples) -> int:
 
 # -- DistillFuse: loading, stored weights, baking ------------------------------------------------------------
 
+SAFETENSORS = (".safetensors", ".sft")  # the two suffixes of the one format
+
+
 def unet_options(weight_dtype: str) -> dict:
     """UNETLoader's model_options for its weight_dtype choices."""
     options = {}
@@ -525,7 +528,7 @@ def check_interrupt() -> None:
 def stored_weights(path: str, root):
     """A function: layer name -> that layer's weight as stored in the file (memory-mapped, read one layer
     at a time), or None when the file names it otherwise (the engine then uses the loaded weight)."""
-    if not path.endswith(".safetensors"):
+    if not path.endswith(SAFETENSORS):
         yield lambda name: None
         return
     from safetensors import safe_open
@@ -577,7 +580,7 @@ def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     dtypes = {}
-    if base_path.endswith(".safetensors"):
+    if base_path.endswith(SAFETENSORS):
         with safe_open(base_path, framework="pt", device="cpu") as f:
             for k in f.keys():
                 dtypes[k] = f.get_slice(k).get_dtype()

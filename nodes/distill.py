@@ -160,10 +160,11 @@ class DistillFuse:
                                        "model from disk and fuses once; it never accumulates."}),
             },
             "optional": {
-                "bake": ("BOOLEAN", {"default": False, "tooltip": "Also save the fused model as a new file next "
-                                     "to the base model in diffusion_models, in the base file's precision."}),
-                "bake_name": ("STRING", {"default": "", "tooltip": "File name for the baked model (.safetensors); "
-                                         "empty: <base>_<lora>_<strength>.safetensors."}),
+                "bake": ("BOOLEAN", {"default": False, "tooltip": "Also save the fused model as a new file in "
+                                     "diffusion_models (see bake_name), in the base file's precision."}),
+                "bake_name": ("STRING", {"default": "", "tooltip": "File name for the baked model (.safetensors), "
+                                         "relative to diffusion_models; empty: <base>_<lora>_<strength>"
+                                         ".safetensors next to the base model."}),
                 "overwrite": ("BOOLEAN", {"default": False, "tooltip": "Allow the bake to replace an existing "
                                           "file. Off: an existing file is an error."}),
             },
@@ -178,10 +179,10 @@ class DistillFuse:
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         unet_path = bridge.resolve("diffusion_models", unet_name)
-        if not unet_path.endswith((".safetensors", ".sft")):
+        if not unet_path.endswith(bridge.SAFETENSORS):
             raise LoRAFileError("DistillFuse loads .safetensors models only; pickled checkpoints are never "
                                 "unpickled", path=unet_name, remedy="convert the model to .safetensors")
-        read_header(unet_path)  # a truncated or corrupt file fails here, naming it
+        refuse_quantized(read_header(unet_path))  # a truncated or corrupt file fails here too, naming it
         target = None
         if bake:
             if weight_dtype != "default":
@@ -205,7 +206,24 @@ class DistillFuse:
         return (model,)
 
 
+QUANT_MARKERS = ("scaled_fp8", ".scale_weight", ".weight_scale", ".comfy_quant")  # ComfyUI's quantized layouts
+
+
+def refuse_quantized(header) -> None:
+    """DistillFuse fuses in fp32 into full-precision weights. A file of scaled or block-quantized layers
+    (fp8-scaled, and ComfyUI's `comfy_quant` formats) stores each weight as integers or fp8 values with a scale
+    beside it; fusing into those values would be wrong, so such a file is refused, naming a key."""
+    key = next((k for k in header.tensors if k.endswith(QUANT_MARKERS)), None)
+    if key is not None:
+        raise LoRAFileError("this diffusion model is stored quantized (scaled fp8 or another ComfyUI quant "
+                            "format); DistillFuse fuses into full-precision weights, before quantization",
+                            path=header.path, key=key, remedy="load the model's bf16/fp16 release here (with "
+                            "weight_dtype fp8 for an fp8 result), or apply the LoRA to this file with "
+                            "MultiLoRALoader")
+
+
 def default_bake_name(unet_name: str, lora_name: str, strength: float) -> str:
-    base = os.path.splitext(os.path.basename(unet_name))[0]
+    """`<base>_<lora>_<strength>.safetensors` in the base file's own subfolder of diffusion_models."""
+    folder, base = os.path.split(unet_name)
     lora = os.path.splitext(os.path.basename(lora_name))[0]
-    return f"{base}_{lora}_{strength:g}.safetensors"
+    return os.path.join(folder, f"{os.path.splitext(base)[0]}_{lora}_{strength:g}.safetensors")

@@ -718,3 +718,42 @@ def test_pinned_buffers_hold_little_more_than_the_adapter(blocks):
     assert len(moved) == len(tensors) and all(n & (n - 1) == 0 for n in sizes)
     assert sum(sizes) <= 1.05 * raw, (blocks, sizes, raw)
     assert sum(adapter_module._pow2(t.numel() * t.element_size()) for t in tensors) > 1.4 * raw
+
+
+class LinearLike(torch.nn.Module):
+    """A Linear that does not derive from nn.Linear, as ComfyUI's mixed-precision layers of quantized
+    (fp8-scaled) models do not."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_a_layer_that_computes_a_linear_without_deriving_from_it_is_bound(tmp_path):
+    from lora_engine.keymap import bindable
+    plain, other = lf.tiny(), lf.tiny()
+    for name, m in list(other.named_modules()):
+        if isinstance(m, torch.nn.Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(other.get_submodule(parent), leaf, LinearLike(m))
+    files = {"lora": lf.lora_tensors(plain, "kohya", 3), "dora": lf.dora_tensors(plain, 4),
+             "loha": lf.loha_tensors(plain, 5)}
+    entries = [(load_adapter(lf.write(tmp_path, f"{k}.safetensors", t)), s)
+               for (k, t), s in zip(files.items(), (0.8, -0.6, 0.5))]
+    x = lf.tiny_input()
+    assert torch.equal(run(plain, x), run(other, x))
+    outs = []
+    for model in (plain, other):
+        bank = SlotBank(model, max_loras=3)
+        bank.activate(entries)
+        assert len(bank.layers) == len(lf.LAYERS)
+        outs.append(run(model, x))
+    assert (outs[0] - outs[1]).abs().max() <= TOL
+    assert (outs[1] - run(lf.tiny(), x)).abs().max() > 1e-2
+    experts = LinearLike(torch.nn.Linear(4, 3))
+    experts.weight = torch.nn.Parameter(torch.zeros(2, 3, 4))  # [experts, out, in]: not one Linear
+    assert not bindable(experts)

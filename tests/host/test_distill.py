@@ -153,6 +153,30 @@ def test_a_bake_name_may_name_a_new_subfolder(server, images, models_dir):
             target.unlink()
 
 
+def test_an_sft_base_is_fused_from_its_stored_weights_as_a_safetensors_one(server, models_dir, unet_file):
+    """.sft is the same format: with fp8, both must fuse from the stored weights, not the loaded fp8 ones."""
+    sft = models_dir / "diffusion_models" / "distill_base.sft"
+    place(unet_file, sft)
+    try:
+        assert np.array_equal(one(server, distill("fp8_e4m3fn", unet=sft.name)), one(server, distill("fp8_e4m3fn")))
+    finally:
+        sft.unlink()
+
+
+def test_a_bake_without_a_name_lands_next_to_a_base_in_a_subfolder(server, images, models_dir, unet_file):
+    folder = models_dir / "diffusion_models" / "distill_base_dir"
+    folder.mkdir()
+    place(unet_file, folder / UNET)
+    target = folder / f"{os.path.splitext(UNET)[0]}_{os.path.splitext(LORA)[0]}_{STRENGTH:g}.safetensors"
+    try:
+        assert np.array_equal(one(server, distill(unet=f"distill_base_dir/{UNET}", bake=True)), images["ours"])
+        assert target.is_file(), sorted(p.name for p in folder.iterdir())
+    finally:
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
 def test_a_bake_that_cannot_be_written_fails_naming_its_target(server, images, models_dir):
     """A file where the bake name puts a folder: the fusion completes, the write fails, and the fusion log says
     which of the two failed."""
