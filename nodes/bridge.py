@@ -205,9 +205,17 @@ _REPORTS_KEPT = 256
 TEXT_ENCODER_LAYER = re.compile(r"^(lora_(prior_)?te\d?_|text_encoders?(_\d)?\.)")
 
 
-def _report(adapter: Adapter, unet, clip, clip_connected: bool = True) -> dict:
+def _unhookable(adapter: Adapter, roots) -> set[tuple[str, str]]:
+    """(key, layer class) for each of the adapter's keys that ComfyUI's map of one of `roots` ((root, kind)
+    pairs) names on a layer the runtime path does not hook."""
+    return {(p, kind) for root, k in roots for p in adapter.layers
+            if (kind := _keymap(root, k).unhookable(p)) is not None}
+
+
+def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=()) -> dict:
     """The adapter's combined match over the model and the text encoder. With no CLIP connected, the layers
-    named as text-encoder layers are counted apart (`no_clip_layers`), not as layers that match nothing."""
+    named as text-encoder layers are counted apart (`no_clip_layers`), not as layers that match nothing.
+    `unbound`: the (root, kind) pairs the adapter matched nothing of, whose unhookable keys count too."""
     unmatched = set(adapter.layers)
     for b in (unet, clip):
         if b is not None:
@@ -215,7 +223,8 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True) -> dict:
     no_clip = set() if clip_connected else {k for k in unmatched if TEXT_ENCODER_LAYER.match(k)}
     unmatched -= no_clip
     parts = [b.report for b in (unet, clip) if b is not None]
-    unhookable = sorted({u for r in parts for u in r.unhookable if u[0] in unmatched})
+    found = {u for r in parts for u in r.unhookable} | _unhookable(adapter, unbound)
+    unhookable = sorted(u for u in found if u[0] in unmatched)
     report = {
         "adapter": adapter.name, "fingerprint": adapter.fingerprint, "formats": list(adapter.formats),
         "layers_in_file": len(adapter.layers),
@@ -419,13 +428,13 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
         on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
         on_clip = _binding(adapter, clip_root, "clip") if clip_root is not None else None
+        roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
+        unbound = [r for r, b in zip(roots, (on_model, on_clip)) if b is None]
         if on_model is None and on_clip is None:
-            roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
-            unhookable = {(p, kind) for root, k in roots for p in adapter.layers
-                          if (kind := _keymap(root, k).unhookable(p)) is not None}
             target = " / ".join(type(root).__name__ for root, _ in roots)
-            raise no_match(f"{adapter.name} matches no layer of {target}", adapter, sorted(unhookable))
-        _log_once(adapter, unet_root, _report(adapter, on_model, on_clip, clip_root is not None))
+            raise no_match(f"{adapter.name} matches no layer of {target}", adapter,
+                           sorted(_unhookable(adapter, roots)))
+        _log_once(adapter, unet_root, _report(adapter, on_model, on_clip, clip_root is not None, unbound))
         schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
         if on_model is not None:
             model_entries.append(Entry(adapter, _strength(sm), schedule, weights))

@@ -186,6 +186,22 @@ def test_a_name_with_a_colon_is_an_ordinary_lora(server, models_dir, ours, expec
     assert np.array_equal(server.run(with_first_entry(copy.deepcopy(ours), name))[0], expected)
 
 
+def test_keys_on_unhooked_layers_are_named_beside_a_match_on_the_model(server, models_dir, ours):
+    """The diffusion-model keys of a file bind; its one text-encoder key, on the token embedding, binds no
+    text-encoder layer. The report still says that key is on a layer the runtime path does not hook."""
+    from safetensors import safe_open
+    name = "unet_and_embedding.safetensors"
+    embedding = "text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.diff"
+    with safe_open(str(models_dir / "loras" / GOOD), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("lora_unet_")}
+    save_file({**tensors, embedding: torch.zeros(4, 4)}, str(models_dir / "loras" / name))
+    server.run(with_first_entry(copy.deepcopy(ours), name))
+    report = next(r for r in server.get_json("/multilora/status")["reports"] if r["adapter"] == name)
+    assert report["model_layers"] > 0 and report["clip_layers"] == 0, report
+    assert report["unmatched"] == [embedding[: -len(".diff")]], report
+    assert report["unhookable"] == [[embedding[: -len(".diff")], "Embedding"]], report
+
+
 def test_interrupt_during_sampling_leaves_nothing_behind(server, ours, expected):
     long = wf.small(wf.load("multilora_api.json"), steps=300, prefix="long")
     pid = server.post_prompt(long)
