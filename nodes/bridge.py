@@ -369,10 +369,13 @@ def _strength(value) -> float | tuple[float, ...]:
 
 @dataclass(frozen=True)
 class Shaping:
-    """An entry's schedule and block weights, each one value or one per batch item (a tuple)."""
+    """An entry's schedule and block weights, each one value or one per batch item (a tuple). Where the block
+    weights are one per item (a grid axis varies them), the BASE of `clip_blocks`, the entry's own, scales its
+    CLIP strength."""
 
     schedule: Schedule | tuple[Schedule | None, ...] | None = None
     blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
+    clip_blocks: BlockWeights | None = None
 
 
 def model_blocks(root) -> list:
@@ -403,7 +406,9 @@ def _model_shaping(adapter, shaping: Shaping | None, root, binding):
         return shaping.schedule, None, 1.0
     if isinstance(blocks, tuple):
         resolved = [None if b is None else resolve_blocks(adapter, b, root, binding) for b in blocks]
-        return shaping.schedule, tuple(None if r is None else r[1] for r in resolved), 1.0
+        own = shaping.clip_blocks
+        base = 1.0 if own is None else resolve_blocks(adapter, own, root, binding)[0]
+        return shaping.schedule, tuple(None if r is None else r[1] for r in resolved), base
     base, weights = resolve_blocks(adapter, blocks, root, binding)
     return shaping.schedule, weights, base
 

@@ -116,7 +116,8 @@ class LoRAStrengthGrid:
             table = spec.table(start, stop)
             schedules = spec.shaped_table(start, stop, "schedule", own_schedules)
             blocks = spec.shaped_table(start, stop, "blocks", own_blocks)
-            shaping = [None if s is None and b is None else bridge.Shaping(s, b) for s, b in zip(schedules, blocks)]
+            shaping = [None if s is None and b is None else bridge.Shaping(s, b, own)
+                       for s, b, own in zip(schedules, blocks, own_blocks)]
             m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], 0,
                                       shaping)
             models.append(m)

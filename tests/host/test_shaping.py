@@ -158,6 +158,36 @@ def test_grid_axes_over_blocks_and_schedules(server, plain, record_property):
     assert mad(refs[0], refs[1]) > 10 * 3 * floor and mad(refs[0], refs[2]) > 10 * 3 * floor
 
 
+def test_a_block_axis_leaves_the_text_encoder_at_the_entrys_own_base(server, record_property):
+    """The entry's own block weights say BASE=0, so its text-encoder strength is 0 whatever a block axis gives
+    the diffusion model (the axis's `ALL` has BASE 1). The grid's CLIP must be the plain one."""
+    def shaped(weights: str, clip: float) -> dict:
+        stack = weighted("custom", weights)
+        stack["s0"]["inputs"]["strength_clip"] = clip
+        return stack
+
+    def with_clip(p: dict, source: str) -> dict:
+        p["6"]["inputs"]["clip"] = p["7"]["inputs"]["clip"] = [source, 1]
+        if source != "1":
+            p[source]["inputs"]["clip"] = ["1", 1]
+        return p
+
+    p = graph(shaped("BASE=0", 1.0), model_link=["30", 0])
+    p["30"] = {"class_type": "LoRAStrengthGrid", "inputs": {
+        "model": ["1", 0], "lora_stack": ["s1", 0], "latent": ["4", 0], "x_entry": "#1",
+        "x_values": "blocks: ALL", "y_entry": "", "y_values": "", "z_entry": "", "z_values": "", "max_batch": 16}}
+    p["8"]["inputs"]["latent_image"] = ["30", 2]
+    with_clip(p, "30")
+    cell = server.run(p)[0]
+    # References: the loader with the axis's block weights on the model, the text encoder at 0 (right) or at
+    # the axis's BASE of 1 (what the grid gave before it kept the entry's own BASE).
+    right, wrong = (server.run(with_clip(graph(shaped("BASE=0, default=1", 0.0)), "1"))[0],
+                    server.run(with_clip(graph(shaped("BASE=1, default=1", 1.0)), "20"))[0])
+    err, apart = mad(cell, right), mad(right, wrong)
+    record_property("grid_clip_base", f"MAD to own BASE {err:.6f}, own vs axis BASE {apart:.6f}")
+    assert apart > 0.5 and err <= apart / 100
+
+
 @pytest.mark.parametrize("node, inputs, words", [
     ("LoRAStrengthSchedule", {"keyframes": "0:1, 0.5", "interpolation": "linear"}, "progress:multiplier"),
     ("LoRAStrengthSchedule", {"keyframes": "0.8:1, 0.2:0", "interpolation": "linear"}, "increasing"),
