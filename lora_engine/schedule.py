@@ -11,7 +11,10 @@ The multiplier scales the entry's strength, so `0:1` is the plain strength.
 
 The progress of a model call is its step: step i of n has progress i / n. It is
 found from the call's sigma and the sampler's sigma list, so a sampler that
-evaluates the model between two sigmas of the list (Heun, DPM-2) keeps the step.
+evaluates the model between two sigmas of the list (DPM-2's midpoint) keeps the
+step. A call at a sigma of the list belongs to the step that starts there: Heun's
+correction, made at the next step's sigma, gets that step's progress, as no call
+tells it from the next step's first.
 """
 
 from __future__ import annotations

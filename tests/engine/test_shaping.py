@@ -59,7 +59,7 @@ def test_malformed_schedules_say_what_is_expected(text, words):
 def test_step_progress_keeps_the_step_between_two_sigmas():
     sigmas = [14.6, 7.0, 3.0, 1.0, 0.0]
     assert [step_progress(s, sigmas) for s in (14.6, 7.0, 3.0, 1.0)] == [0.0, 0.25, 0.5, 0.75]
-    assert step_progress(5.0, sigmas) == 0.25  # a Heun / DPM-2 midpoint of step 1
+    assert step_progress(5.0, sigmas) == 0.25  # a DPM-2 midpoint of step 1
     assert step_progress(7.0 * (1 + 1e-7), sigmas) == 0.25  # float noise on a list entry
 
 
