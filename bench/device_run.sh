@@ -14,7 +14,8 @@
 # It needs, inside the repository (both folders are git-ignored; bench/README.md has the commands
 # that make them on a machine with the ComfyUI checkout):
 #   .comfy/   ComfyUI's comfy/, folder_paths.py, node_helpers.py, comfyui_version.py (about 18 MB)
-#   .whl/     a wheel of comfy-aimdo (ComfyUI imports it unconditionally), for that machine's python
+#   .whl/     wheels of comfy-aimdo (ComfyUI imports it unconditionally) and comfy-kitchen (its quantized
+#             tensors, used where installed), for that machine's python
 # With the device tool: run(command="bash bench/device_run.sh", carry=[".comfy", ".whl"], timeout_s=540).
 # The table is printed and also written to $OUT/compare_full.txt (else ./compare_full.txt).
 set -uo pipefail

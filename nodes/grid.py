@@ -56,8 +56,8 @@ class LoRAStrengthGrid:
                                               "1:1' ('schedule step: …' for step interpolation), split by '|'."})
         return {
             "required": {
-                "model": ("MODEL", {"tooltip": "The base diffusion model (not a MultiLoRALoader output: the grid "
-                                    "applies the stack itself)."}),
+                "model": ("MODEL", {"tooltip": "The diffusion model; the grid applies the stack itself. A "
+                                    "MultiLoRALoader before it may apply other LoRAs, not those of this stack."}),
                 "lora_stack": ("LORA_STACK", {"tooltip": "The stack; entries not on an axis keep their strength."}),
                 "latent": ("LATENT", {"tooltip": "The starting latent; its first item is used for every cell."}),
                 **axis,
