@@ -165,12 +165,23 @@ def _dtype(patcher, root):
     return None
 
 
+def layer_weight(module) -> torch.Tensor:
+    """A layer's weight as the layer computes with it, for DoRA's norm. ComfyUI-GGUF's layers hold quantized
+    bytes (a tensor with a `tensor_type`) and dequantize them with their `get_weight`; ComfyUI's own
+    quantized tensors dequantize themselves in any arithmetic."""
+    weight = module.weight
+    if getattr(weight, "tensor_type", None) is not None and callable(getattr(module, "get_weight", None)):
+        with torch.no_grad():
+            return module.get_weight(weight, torch.float32)
+    return weight.detach()
+
+
 def _bank(patcher, root, kind: str, slots: int) -> SlotBank:
     """The model's bank, created on first use and grown in place for a longer stack (its adapters stay)."""
     dtype = _dtype(patcher, root) if kind == "unet" else None
     return SlotBank.of(root, max_loras=slots, keymap=_keymap(root, kind), device=patcher.load_device,
                        dtype=dtype, model_name=type(root).__name__ if kind == "unet" else
-                       f"{type(root).__name__} (text encoder)")
+                       f"{type(root).__name__} (text encoder)", weight_fn=layer_weight)
 
 
 def _binding(adapter: Adapter, root, kind: str):

@@ -116,6 +116,40 @@ def test_a_stack_on_a_gguf_model_matches_its_own_lora_path(gguf_server, record_p
     assert effect >= 10 * tolerance
 
 
+DORA = "gguf_dora.safetensors"
+DORA_LAYERS = tuple(f"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_{p}"
+                    for p in ("to_q", "to_k", "to_v", "to_out_0"))
+
+
+@pytest.fixture(scope="module")
+def gguf_dora(models_dir) -> str:
+    """Four Linears of the kohya LoRA with DoRA magnitudes on the input axis, where ComfyUI's DoRA and ours
+    agree. Its norm needs the base weight, which ComfyUI-GGUF keeps quantized."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(models_dir / "loras" / synth.LORA_NAMES["kohya"]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(DORA_LAYERS)}
+    g = torch.Generator().manual_seed(5)
+    for layer in DORA_LAYERS:
+        fan_in = tensors[f"{layer}.lora_down.weight"].shape[1]
+        tensors[f"{layer}.dora_scale"] = 1.0 + 0.5 * torch.randn(1, fan_in, generator=g)
+    save_file(tensors, str(models_dir / "loras" / DORA))
+    return DORA
+
+
+def test_a_dora_lora_on_a_gguf_model_matches_its_own_lora_path(gguf_server, gguf_dora, record_property):
+    run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
+    floor = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
+    tolerance = max(3 * floor, MIN_TOLERANCE)
+    mine = run(ours([(gguf_dora, 1.0)]))
+    diff, effect = mad(mine, run(stock([(gguf_dora, 1.0)]))), mad(mine, run(graph({}, ["2", 0], "gguf_base")))
+    record_property("dora_ours_vs_stock", diff)
+    print(f"\nGGUF Q8_0 DoRA: floor {floor:.4f}; ours vs stock {diff:.4f}; the LoRA's effect {effect:.2f}")
+    assert diff <= tolerance
+    assert effect >= 10 * tolerance
+
+
 def test_a_strength_move_on_a_gguf_model_reads_no_file_and_patches_no_weight(gguf_server):
     first = one(gguf_server, ours(STACK))
     before = gguf_server.get_json("/multilora/status")
