@@ -286,13 +286,32 @@ class Stack:
     kind: str  # "unet" or "clip"
 
 
+def merge_patches(patcher) -> int:
+    """How many of the model's weight patches scale the weight they patch: ComfyUI's model merges
+    (ModelMergeSimple, ModelMergeBlocks, …) weigh the first model's weights by their ratio this way; a LoRA
+    loader's patches leave it at 1."""
+    return sum(1 for patches in getattr(patcher, "patches", {}).values() for p in patches
+               if len(p) > 2 and p[2] != 1.0)
+
+
+MERGE_WARNING = ("[MultiLoRA] a model merge (ModelMergeSimple, ModelMergeBlocks, …) after MultiLoRALoader "
+                 "weighs the merged weights only: the stack's LoRAs stay at their own strengths, and a "
+                 "MultiLoRALoader output given as the merge's other model is merged without its LoRAs. Merge "
+                 "the models first, then apply MultiLoRALoader")
+
+
 class StackInjection(comfy.patcher_extension.PatcherInjection):
-    def __init__(self, stack: Stack, root):
+    def __init__(self, stack: Stack, root, merges: int = 0):
         super().__init__(self._inject, self._eject)
         self.stack = stack
         self.root = root
+        self.merges = merges  # merge patches the model held when the stack was put on it
+        self.warned = False
 
     def _inject(self, patcher):
+        if not self.warned and merge_patches(patcher) > self.merges:
+            self.warned = True
+            log.warning(MERGE_WARNING)
         bank = _bank(patcher, self.root, self.stack.kind, self.stack.slots)
         bank.activate(self.stack.entries)
 
@@ -316,7 +335,8 @@ def with_stack(patcher, clone, root, entries: list[Entry], slots: int, kind: str
     prior = current_stack(patcher)
     merged = list(prior.entries) + entries if prior else entries
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
-    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root)])
+    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root,
+                                                        merge_patches(clone))])
     if kind == "unet":
         clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)

@@ -376,3 +376,24 @@ def test_two_samplers_with_different_stacks_on_one_base(server, ours):
     assert len(images) == 2
     got = {mad(img, single_a) < mad(img, single_b): img for img in images}
     assert np.array_equal(got[True], single_a) and np.array_equal(got[False], single_b)
+
+
+def test_a_merge_after_the_loader_is_warned_of_and_a_merge_before_it_is_not(server):
+    """ModelMergeSimple weighs weights and weight patches by its ratio; the stack is neither, so a merge after the
+    loader would leave the LoRAs at full strength without a word. Merging first is the supported order."""
+    warning = "[MultiLoRA] a model merge (ModelMergeSimple, ModelMergeBlocks, …) after MultiLoRALoader"
+    stack = {"s0": {"class_type": "LoRAStack", "inputs": {"lora_name": wf.synth.LORA_NAMES["kohya"],
+                                                          "strength_model": 0.8, "strength_clip": 0.0}}}
+
+    def merge(model1, model2) -> dict:
+        return {"class_type": "ModelMergeSimple", "inputs": {"model1": model1, "model2": model2, "ratio": 0.5}}
+
+    loader = {"class_type": "MultiLoRALoader", "inputs": {"model": ["1", 0], "lora_stack": ["s0", 0]}}
+    after = wf.model_graph({**stack, "ml": loader, "mg": merge(["ml", 0], ["1", 0])}, ["mg", 0], prefix="merge_after")
+    before = wf.model_graph({**stack, "mg": merge(["1", 0], ["1", 0]),
+                          "ml": {**loader, "inputs": {**loader["inputs"], "model": ["mg", 0]}}}, ["ml", 0],
+                         prefix="merge_before")
+    for prompt, warned in ((before, False), (after, True)):
+        at = server.log_offset()
+        one(server, prompt)
+        assert (warning in server.log_text(since=at)) is warned, (warned, server.log_text(at)[-2000:])
