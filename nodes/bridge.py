@@ -12,6 +12,7 @@ It uses ComfyUI's extension points only:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -552,9 +553,10 @@ def unet_options(weight_dtype: str) -> dict:
 
 
 def load_unet(path: str, options: dict):
-    """The diffusion model as stock UNETLoader loads it. Dynamic (disk-backed) loading is off, because
-    the fused weights live in the model's own tensors."""
-    return comfy.sd.load_diffusion_model(path, model_options=options, disable_dynamic=True)
+    """The diffusion model as stock UNETLoader loads it. Dynamic (disk-backed) loading, where ComfyUI has it
+    (2026 on), is off, because the fused weights live in the model's own tensors."""
+    dynamic = "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model).parameters
+    return comfy.sd.load_diffusion_model(path, model_options=options, **({"disable_dynamic": True} if dynamic else {}))
 
 
 def unet_keymap(root) -> KeyMap:
