@@ -26,7 +26,7 @@ from tools import synth
 
 from .conftest import place, unet_of_checkpoint
 from .test_multilora import assert_reads_copies_and_patches_nothing, mad, one
-from .workflows import model_graph
+from .workflows import loader_nodes, model_graph
 
 pytestmark = pytest.mark.host
 
@@ -91,15 +91,7 @@ def stock(stack, loader="LoraLoaderModelOnly") -> dict:
 
 
 def ours(stack) -> dict:
-    nodes, prev = {}, None
-    for j, (name, strength) in enumerate(stack):
-        inputs = {"lora_name": name, "strength_model": strength, "strength_clip": 0.0}
-        if prev:
-            inputs["lora_stack"] = [prev, 0]
-        nodes[f"s{j}"] = {"class_type": "LoRAStack", "inputs": inputs}
-        prev = f"s{j}"
-    nodes["ml"] = {"class_type": "MultiLoRALoader", "inputs": {"model": ["2", 0], "lora_stack": [prev, 0]}}
-    return graph(nodes, ["ml", 0], "gguf_ours")
+    return graph(loader_nodes(stack, ["2", 0]), ["ml", 0], "gguf_ours")
 
 
 def test_a_stack_on_a_gguf_model_matches_its_own_lora_path(gguf_server, record_property):

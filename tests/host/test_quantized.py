@@ -24,7 +24,7 @@ from tools.comfy_server import ComfyExecutionError
 
 from .conftest import UNET_NAME, place
 from .test_multilora import mad, one
-from .workflows import model_graph
+from .workflows import loader_nodes, model_graph
 
 pytestmark = pytest.mark.host
 
@@ -77,15 +77,7 @@ def bypass(unet: str, name: str, strength: float) -> dict:
 
 
 def ours(unet: str, stack) -> dict:
-    nodes, prev = loaded(unet), None
-    for j, (name, strength) in enumerate(stack):
-        inputs = {"lora_name": name, "strength_model": strength, "strength_clip": 0.0}
-        if prev:
-            inputs["lora_stack"] = [prev, 0]
-        nodes[f"s{j}"] = {"class_type": "LoRAStack", "inputs": inputs}
-        prev = f"s{j}"
-    nodes["ml"] = {"class_type": "MultiLoRALoader", "inputs": {"model": ["2", 0], "lora_stack": [prev, 0]}}
-    return model_graph(nodes, ["ml", 0], prefix="quant_ours")
+    return model_graph({**loaded(unet), **loader_nodes(stack, ["2", 0])}, ["ml", 0], prefix="quant_ours")
 
 
 @pytest.mark.parametrize("lora", STACK, ids=lambda e: e[0])

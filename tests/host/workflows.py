@@ -123,6 +123,19 @@ def model_graph(model_nodes: dict, model_ref, seed: int = 42, prefix: str = "mod
     return p
 
 
+def loader_nodes(stack, model_ref) -> dict:
+    """LoRAStack nodes s0, s1, … (model strengths only) chained into a MultiLoRALoader "ml" on `model_ref`."""
+    nodes, prev = {}, None
+    for j, (name, strength) in enumerate(stack):
+        inputs = {"lora_name": name, "strength_model": strength, "strength_clip": 0.0}
+        if prev:
+            inputs["lora_stack"] = [prev, 0]
+        nodes[f"s{j}"] = {"class_type": "LoRAStack", "inputs": inputs}
+        prev = f"s{j}"
+    nodes["ml"] = {"class_type": "MultiLoRALoader", "inputs": {"model": model_ref, "lora_stack": [prev, 0]}}
+    return nodes
+
+
 def batched(prompt: dict, n: int) -> dict:
     """`prompt` (latent node "4", sampler "8") on n copies of its latent, one seed for every item: its batching
     floor against the batch-1 image."""
