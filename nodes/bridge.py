@@ -322,22 +322,26 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
             bank.deactivate()
 
 
-def current_stack(patcher) -> Stack | None:
+def _injection(patcher) -> StackInjection | None:
     injections = patcher.get_injections(INJECTION_KEY) or []
-    for inj in injections:
-        if isinstance(inj, StackInjection):
-            return inj.stack
-    return None
+    return next((inj for inj in injections if isinstance(inj, StackInjection)), None)
+
+
+def current_stack(patcher) -> Stack | None:
+    inj = _injection(patcher)
+    return inj.stack if inj is not None else None
 
 
 def with_stack(patcher, clone, root, entries: list[Entry], slots: int, kind: str):
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`. A stack with a
     schedule or with per-item strengths also gets a wrapper around every model call (`ModelCallWrapper`)."""
-    prior = current_stack(patcher)
+    before = _injection(patcher)
+    prior = before.stack if before is not None else None
     merged = list(prior.entries) + entries if prior else entries
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
-    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root,
-                                                        merge_patches(clone))])
+    # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
+    merges = before.merges if before is not None else merge_patches(clone)
+    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root, merges)])
     if kind == "unet":
         clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)

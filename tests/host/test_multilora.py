@@ -393,7 +393,13 @@ def test_a_merge_after_the_loader_is_warned_of_and_a_merge_before_it_is_not(serv
     before = wf.model_graph({**stack, "mg": merge(["1", 0], ["1", 0]),
                           "ml": {**loader, "inputs": {**loader["inputs"], "model": ["mg", 0]}}}, ["ml", 0],
                          prefix="merge_before")
-    for prompt, warned in ((before, False), (after, True)):
+    between = wf.model_graph({**stack, "ml": loader, "mg": merge(["ml", 0], ["1", 0]),
+                              "s1": {**stack["s0"], "inputs": {**stack["s0"]["inputs"],
+                                                               "lora_name": wf.synth.LORA_NAMES["peft"]}},
+                              "m2": {"class_type": "MultiLoRALoader",
+                                     "inputs": {"model": ["mg", 0], "lora_stack": ["s1", 0]}}},
+                             ["m2", 0], prefix="merge_between")
+    for prompt, warned in ((before, False), (after, True), (between, True)):
         at = server.log_offset()
         one(server, prompt)
         assert (warning in server.log_text(since=at)) is warned, (warned, server.log_text(at)[-2000:])
