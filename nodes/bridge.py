@@ -217,11 +217,10 @@ _REPORTS_KEPT = 256
 TEXT_ENCODER_LAYER = re.compile(r"^(lora_(prior_)?te\d?_|text_encoders?(_\d)?\.)")
 
 
-def _unhookable(adapter: Adapter, roots) -> set[tuple[str, str]]:
-    """(key, layer class) for each of the adapter's keys that ComfyUI's map of one of `roots` ((root, kind)
-    pairs) names on a layer the runtime path does not hook."""
-    return {(p, kind) for root, k in roots for p in adapter.layers
-            if (kind := _keymap(root, k).unhookable(p)) is not None}
+def _unhookable(keys, roots) -> set[tuple[str, str]]:
+    """(key, layer class) for each of `keys` (an adapter's layer keys) that ComfyUI's map of one of `roots`
+    ((root, kind) pairs) names on a layer the runtime path does not hook."""
+    return {(p, kind) for root, k in roots for p in keys if (kind := _keymap(root, k).unhookable(p)) is not None}
 
 
 def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=()) -> dict:
@@ -235,7 +234,7 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=(
     no_clip = set() if clip_connected else {k for k in unmatched if TEXT_ENCODER_LAYER.match(k)}
     unmatched -= no_clip
     parts = [b.report for b in (unet, clip) if b is not None]
-    found = {u for r in parts for u in r.unhookable} | _unhookable(adapter, unbound)
+    found = {u for r in parts for u in r.unhookable} | _unhookable(unmatched, unbound)
     unhookable = sorted(u for u in found if u[0] in unmatched)
     report = {
         "adapter": adapter.name, "fingerprint": adapter.fingerprint, "formats": list(adapter.formats),
@@ -466,15 +465,15 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     clip_root = clip.cond_stage_model if clip is not None else None
     shaping = list(shaping) if shaping is not None else [None] * len(adapters)
     model_entries, clip_entries = [], []
+    roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
     for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
         on_model = _binding(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
         on_clip = _binding(adapter, clip_root, "clip") if clip_root is not None else None
-        roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
         unbound = [r for r, b in zip(roots, (on_model, on_clip)) if b is None]
         if on_model is None and on_clip is None:
             target = " / ".join(type(root).__name__ for root, _ in roots)
             raise no_match(f"{adapter.name} matches no layer of {target}", adapter,
-                           sorted(_unhookable(adapter, roots)))
+                           sorted(_unhookable(adapter.layers, roots)))
         _log_once(adapter, unet_root, _report(adapter, on_model, on_clip, clip_root is not None, unbound))
         schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
         if on_model is not None:
@@ -542,6 +541,20 @@ def cells_that_fit(model, samples) -> int:
 # -- DistillFuse: loading, stored weights, baking ------------------------------------------------------------
 
 SAFETENSORS = (".safetensors", ".sft")  # the two suffixes of the one format
+QUANT_MARKERS = ("scaled_fp8", ".scale_weight", ".weight_scale", ".comfy_quant")  # ComfyUI's quantized layouts
+
+
+def refuse_quantized(header) -> None:
+    """DistillFuse fuses in fp32 into full-precision weights. A file of scaled or block-quantized layers
+    (fp8-scaled, and ComfyUI's `comfy_quant` formats) stores each weight as integers or fp8 values with a scale
+    beside it; fusing into those values would be wrong, so such a file is refused, naming a key."""
+    key = next((k for k in header.tensors if k.endswith(QUANT_MARKERS)), None)
+    if key is not None:
+        raise LoRAFileError("this diffusion model is stored quantized (scaled fp8 or another ComfyUI quant "
+                            "format); DistillFuse fuses into full-precision weights, before quantization",
+                            path=header.path, key=key, remedy="load the model's bf16/fp16 release here (with "
+                            "weight_dtype fp8 for an fp8 result), or apply the LoRA to this file with "
+                            "MultiLoRALoader")
 
 
 def unet_options(weight_dtype: str) -> dict:

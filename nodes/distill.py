@@ -182,7 +182,7 @@ class DistillFuse:
         if not unet_path.endswith(bridge.SAFETENSORS):
             raise LoRAFileError("DistillFuse loads .safetensors models only; pickled checkpoints are never "
                                 "unpickled", path=unet_name, remedy="convert the model to .safetensors")
-        refuse_quantized(read_header(unet_path))  # a truncated or corrupt file fails here too, naming it
+        bridge.refuse_quantized(read_header(unet_path))  # a truncated or corrupt file fails here too, naming it
         target = None
         if bake:
             if weight_dtype != "default":
@@ -204,22 +204,6 @@ class DistillFuse:
                     META_BASE: json.dumps({"name": unet_name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}),
                 })
         return (model,)
-
-
-QUANT_MARKERS = ("scaled_fp8", ".scale_weight", ".weight_scale", ".comfy_quant")  # ComfyUI's quantized layouts
-
-
-def refuse_quantized(header) -> None:
-    """DistillFuse fuses in fp32 into full-precision weights. A file of scaled or block-quantized layers
-    (fp8-scaled, and ComfyUI's `comfy_quant` formats) stores each weight as integers or fp8 values with a scale
-    beside it; fusing into those values would be wrong, so such a file is refused, naming a key."""
-    key = next((k for k in header.tensors if k.endswith(QUANT_MARKERS)), None)
-    if key is not None:
-        raise LoRAFileError("this diffusion model is stored quantized (scaled fp8 or another ComfyUI quant "
-                            "format); DistillFuse fuses into full-precision weights, before quantization",
-                            path=header.path, key=key, remedy="load the model's bf16/fp16 release here (with "
-                            "weight_dtype fp8 for an fp8 result), or apply the LoRA to this file with "
-                            "MultiLoRALoader")
 
 
 def default_bake_name(unet_name: str, lora_name: str, strength: float) -> str:
