@@ -301,10 +301,15 @@ MERGE_WARNING = ("[MultiLoRA] a model merge (ModelMergeSimple, ModelMergeBlocks,
 
 
 class StackInjection(comfy.patcher_extension.PatcherInjection):
-    def __init__(self, stack: Stack, root, merges: int = 0):
+    """Activates the stack on the model of the patcher ComfyUI injects it into, which is not always the model
+    the loader saw: a clone may carry a model object of its own, loaded afresh from the loader's
+    `cached_patcher_init` (`clone(disable_dynamic=True)`, as TorchCompileModel asks under the dynamic-VRAM
+    loader; `clone(force_deepcopy=True)`; a multi-GPU clone per device). Each such model gets its own bank,
+    on the patcher's load device."""
+
+    def __init__(self, stack: Stack, merges: int = 0):
         super().__init__(self._inject, self._eject)
         self.stack = stack
-        self.root = root
         self.merges = merges  # merge patches the model held when the stack was put on it
         self.warned = False
 
@@ -312,11 +317,11 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         if not self.warned and merge_patches(patcher) > self.merges:
             self.warned = True
             log.warning(MERGE_WARNING)
-        bank = _bank(patcher, self.root, self.stack.kind, self.stack.slots)
+        bank = _bank(patcher, patcher.model, self.stack.kind, self.stack.slots)
         bank.activate(self.stack.entries)
 
     def _eject(self, patcher):
-        bank = self.root.__dict__.get("_lora_engine_bank")
+        bank = patcher.model.__dict__.get("_lora_engine_bank")
         if bank is not None:
             bank.deactivate()
 
@@ -331,7 +336,7 @@ def current_stack(patcher) -> Stack | None:
     return inj.stack if inj is not None else None
 
 
-def with_stack(patcher, clone, root, entries: list[Entry], slots: int, kind: str):
+def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str):
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`. A stack with a
     schedule or with per-item strengths also gets a wrapper around every model call (`ModelCallWrapper`)."""
     before = _injection(patcher)
@@ -340,25 +345,25 @@ def with_stack(patcher, clone, root, entries: list[Entry], slots: int, kind: str
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
-    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), root, merges)])
+    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), merges)])
     if kind == "unet":
         clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)
         items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
         if scheduled or items:
             clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-                                       ModelCallWrapper(root, scheduled, items))
+                                       ModelCallWrapper(scheduled, items))
     return clone
 
 
 class ModelCallWrapper:
-    """An APPLY_MODEL wrapper. With a schedule, it sets the bank's sampling progress from the call's sigma. With
-    per-item strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the
-    call's batch has that many items: a latent of another batch would otherwise spread the cells over the cond
-    and uncond chunks instead, and sample wrong images without an error."""
+    """An APPLY_MODEL wrapper. With a schedule, it sets the sampling progress of the called model's bank (the
+    executor's `class_obj`, the model the stack was injected into) from the call's sigma. With per-item
+    strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the call's
+    batch has that many items: a latent of another batch would otherwise spread the cells over the cond and
+    uncond chunks instead, and sample wrong images without an error."""
 
-    def __init__(self, root, scheduled: bool = True, items: int = 0):
-        self.root = root
+    def __init__(self, scheduled: bool = True, items: int = 0):
         self.scheduled = scheduled
         self.items = items
 
@@ -370,9 +375,10 @@ class ModelCallWrapper:
             raise GridError(f"this model holds per-item LoRA strengths for {self.items} grid cells, but it is "
                             f"sampled with {x.shape[0] // chunks} latent item(s) per condition; connect the latent "
                             "output of the same LoRAStrengthGrid to the sampler")
-        bank = self.root.__dict__.get("_lora_engine_bank")
+        root = executor.class_obj
+        bank = root.__dict__.get("_lora_engine_bank")
         if bank is not None and self.scheduled:
-            bank.set_progress(sampling_progress(self.root, t, transformer_options))
+            bank.set_progress(sampling_progress(root, t, transformer_options))
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
 
@@ -483,11 +489,11 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     merge(model_entries)  # the engine's rules for a repeated LoRA, checked here rather than when sampling starts
     new_model = model
     if model_entries:
-        new_model = with_stack(model, model.clone(), unet_root, model_entries, max_loras, "unet")
+        new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet")
     new_clip = clip
     if clip is not None and clip_entries:
         new_clip = clip.clone()
-        with_stack(clip.patcher, new_clip.patcher, clip_root, clip_entries, max_loras, "clip")
+        with_stack(clip.patcher, new_clip.patcher, clip_entries, max_loras, "clip")
     return new_model, new_clip
 
 

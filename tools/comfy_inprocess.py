@@ -74,6 +74,7 @@ def import_comfy(root: Path, device: str):
     import comfy.model_management
     import comfy.model_patcher
     import comfy.patcher_extension
+    import comfy.sample
     import comfy.sd
     import comfy.utils
     import comfy.weight_adapter

@@ -51,6 +51,28 @@ def comfy_python(comfy_root) -> str:
 
 
 @pytest.fixture(scope="session")
+def run_script(comfy_root, comfy_python):
+    """Run one of the host tier's in-process scripts with ComfyUI's python: `run_script(script, out)` passes it
+    `--comfy` and `--out`, fails the test with the stderr tail on a timeout, an error or no output, and
+    returns the text written to `out`."""
+    import subprocess
+
+    def run(script: Path, out: Path, timeout: float = 600.0) -> str:
+        try:
+            res = subprocess.run([comfy_python, str(script), "--comfy", str(comfy_root), "--out", str(out)],
+                                 cwd=HOST_DIR.parents[1], capture_output=True, text=True, timeout=timeout,
+                                 check=False)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{script.name} did not finish within {timeout:.0f}s; stderr tail:\n"
+                        f"{(e.stderr or '')[-3000:]}")
+        if res.returncode != 0 or not out.is_file():
+            pytest.fail(f"{script.name} failed (rc={res.returncode}); stderr tail:\n{res.stderr[-3000:]}")
+        return out.read_text()
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def synth_assets(comfy_root, comfy_python) -> dict:
     """Paths of the cached synthetic checkpoint and LoRAs (built on first use)."""
     return synth.ensure_assets_any_python(comfy_root=comfy_root, python=comfy_python)

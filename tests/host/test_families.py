@@ -39,7 +39,6 @@ the wrong slice of its fused qkv, and Chroma's diffusers cases raise a shape err
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,22 +46,14 @@ import pytest
 from tests.host.family_check import CASES
 
 SCRIPT = Path(__file__).resolve().parent / "family_check.py"
-ROOT = SCRIPT.parents[2]
 REL_TOL = 5e-5
 BASE_MARGIN = 10.0
 RUN_TIMEOUT = 600.0
 
 @pytest.fixture(scope="module")
-def rows(comfy_root, comfy_python, tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("families") / "rows.jsonl"
-    try:
-        res = subprocess.run([comfy_python, str(SCRIPT), "--comfy", str(comfy_root), "--out", str(out)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{SCRIPT.name} did not finish within {RUN_TIMEOUT:.0f}s; stderr tail:\n{(e.stderr or '')[-3000:]}")
-    if res.returncode != 0 or not out.is_file():
-        pytest.fail(f"{SCRIPT.name} failed (rc={res.returncode}); stderr tail:\n{res.stderr[-3000:]}")
-    return {row["case"]: row for row in map(json.loads, out.read_text().splitlines())}
+def rows(run_script, tmp_path_factory) -> dict[str, dict]:
+    text = run_script(SCRIPT, tmp_path_factory.mktemp("families") / "rows.jsonl", RUN_TIMEOUT)
+    return {row["case"]: row for row in map(json.loads, text.splitlines())}
 
 
 def problems(row: dict) -> list[str]:
