@@ -86,6 +86,9 @@ def file_fingerprint(path: str) -> str:
 # LyCORIS layouts that ComfyUI's fused loader applies and no parser here reads, named in the error for such a file:
 # (key suffix, name).
 UNREAD_LAYOUTS = ((".oft_blocks", "OFT/BOFT"), (".a1.weight", "GLoRA"), (".a2.weight", "GLoRA"))
+# The key by which a file widens a layer's weight before its delta is added: Flux's control LoRAs (Canny, Depth)
+# widen img_in to take the control image's latent channels. A delta on the layer's output cannot widen its input.
+RESHAPE = ".reshape_weight"
 
 
 def load_adapter(path: str, *, name: str | None = None, convert: Converter | None = None,
@@ -101,6 +104,7 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
                                   remedy="its keys look like a layout the converter knows, but some are missing or "
                                          "malformed; the file is incomplete or not an adapter") from e
     parsed = parse_tensors(tensors, path, metadata)
+    _refuse_widening(path, tensors, parsed.leftover)
     if not parsed.layers:
         unread = next(((key, layout) for key in parsed.leftover for suffix, layout in UNREAD_LAYOUTS
                        if key.endswith(suffix)), None)
@@ -119,6 +123,19 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
     _column_major(parsed.layers)
     return Adapter(name=name or os.path.basename(path), identity=identity, fingerprint=file_fingerprint(path),
                    layers=parsed.layers, formats=parsed.formats, leftover=parsed.leftover, metadata=metadata)
+
+
+def _refuse_widening(path: str, tensors: dict[str, torch.Tensor], leftover: tuple[str, ...]) -> None:
+    key = next((k for k in leftover if k.endswith(RESHAPE)), None)
+    if key is None:
+        return
+    value = tensors[key]
+    shape = tuple(int(v) for v in value.reshape(-1).tolist()) if value.numel() <= 8 else tuple(value.shape)
+    raise LoRAFormatError(f"this file widens layer {key[:-len(RESHAPE)]!r} to {shape!r} before adding its delta, as "
+                          "Flux control LoRAs (Canny, Depth) widen img_in for the control image's channels; the "
+                          "runtime path adds to a layer's output and cannot widen its input", path=path, key=key,
+                          remedy="apply this file with ComfyUI's LoraLoaderModelOnly, which reshapes the weight and "
+                                 "fuses it, and the rest of the stack with MultiLoRALoader after it")
 
 
 def _column_major(layers: dict[str, LayerPatch]) -> None:

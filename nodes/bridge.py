@@ -141,7 +141,6 @@ def load_loras(names: Sequence[str]) -> list[Adapter]:
 
 # -- key maps and banks ----------------------------------------------------------------------------------
 
-_keymaps: dict[int, KeyMap] = {}
 _logged: set[tuple[str, int]] = set()
 _lock = threading.Lock()
 

@@ -110,6 +110,16 @@ def glora(tmp_path):
                                                     for k in ("a1", "a2", "b1", "b2")})
 
 
+def control(tmp_path):
+    """A Flux control LoRA (Canny, Depth): img_in's factors take twice its inputs, and `reshape_weight` names the
+    widened weight's shape, as ComfyUI's weight_adapter/lora.py reads it."""
+    return lf.write(tmp_path, "control.safetensors", {
+        "diffusion_model.img_in.lora_A.weight": torch.zeros(2, 8), "diffusion_model.img_in.lora_B.weight":
+        torch.zeros(4, 2), "diffusion_model.img_in.reshape_weight": torch.tensor([4, 8]),
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(2, 4),
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": torch.zeros(12, 2)})
+
+
 def missing(tmp_path):
     return str(tmp_path / "missing.safetensors")
 
@@ -136,6 +146,8 @@ CASES = [
     (not_a_lora, LoRAFormatError, "no LoRA", None),
     (oft, LoRAFormatError, "holds OFT/BOFT layers", None),
     (glora, LoRAFormatError, "holds GLoRA layers", None),
+    (control, LoRAFormatError, "widens layer 'diffusion_model.img_in' to (4, 8)",
+     "diffusion_model.img_in.reshape_weight"),
     (missing, LoRAFileError, "not found", None),
     (empty_file, LoRAFileError, "truncated", None),
 ]

@@ -43,6 +43,12 @@ def bad_files(models_dir, tmp_path_factory):
     # Keys ComfyUI's convert_lora takes for a BFL control LoRA, without the B factors it then reads.
     save_file({"img_in.lora_A.weight": torch.zeros(4, 64), "single_blocks.0.norm.key_norm.scale": torch.ones(128)},
               str(loras / "bad_half_control.safetensors"))
+    # A whole one, in BFL's layout: img_in's factors take the control image's channels too (64 -> 128).
+    save_file({"img_in.lora_A.weight": torch.zeros(4, 128), "img_in.lora_B.weight": torch.zeros(3072, 4),
+               "img_in.lora_B.bias": torch.zeros(3072), "single_blocks.0.norm.key_norm.scale": torch.ones(128),
+               "double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(4, 3072),
+               "double_blocks.0.img_attn.qkv.lora_B.weight": torch.zeros(9216, 4)},
+              str(loras / "bad_control.safetensors"))
     # A full diff of the text encoder's token embedding alone: ComfyUI's key map names the layer (an Embedding),
     # which only a fusing loader applies.
     save_file({"text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.diff": torch.zeros(4, 4)},
@@ -107,6 +113,8 @@ EXECUTION_ERRORS = [
     ("embeddings only", lambda o: with_first_entry(o, "bad_embeddings_only.safetensors"),
      ["bad_embeddings_only.safetensors", "layers the runtime path does not hook (Embedding)", "LoraLoader"]),
     ("nan", lambda o: with_first_entry(o, "bad_nan.safetensors"), ["bad_nan.safetensors", "NaN"]),
+    ("flux control lora", lambda o: with_first_entry(o, "bad_control.safetensors"),
+     ["bad_control.safetensors", "widens layer 'diffusion_model.img_in' to (3072, 128)", "LoraLoaderModelOnly"]),
     ("symlink escape", lambda o: with_first_entry(o, "bad_symlink_escape.safetensors"),
      ["bad_symlink_escape.safetensors", "outside"]),
     ("over max_loras", lambda o: {**o, LOADER: {**o[LOADER], "inputs": {**o[LOADER]["inputs"], "max_loras": 2}}},

@@ -1,0 +1,195 @@
+"""Sampled in-process on ComfyUI's Flux: stacks on clones with a model of their own, and next to a control LoRA.
+
+Run with ComfyUI's python (tests/host/test_sampling.py does):
+
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/sampling_check.py [--out result.json]
+
+The tiny Flux of family_layouts.py is written as a diffusion-model file and loaded with
+`comfy.sd.load_diffusion_model`, as UNETLoader loads it. Each sample is `comfy.sample.sample` (Euler, 2 steps,
+cfg 1, one seed), so ComfyUI loads the model and runs its injections and APPLY_MODEL wrappers as a KSampler
+does. Two LoRAs in family_layouts' Flux layouts (kohya 1.0, diffusers -0.6) make the stack.
+
+Clones with a model of their own. Some of ComfyUI's clones hold a model loaded afresh from the loader's
+`cached_patcher_init`, not the model they were cloned from: `clone(disable_dynamic=True)` under the dynamic-VRAM
+loader (TorchCompileModel on CUDA), `clone(force_deepcopy=True)` on any device (the training node) and
+`deepclone_multigpu` once per GPU. `clone(force_deepcopy=True)` takes that path on the CPU:
+
+    base          the loaded model, no LoRA
+    ours          bridge.apply_stack of the stack
+    ours_fresh    ours.clone(force_deepcopy=True)
+    stock         comfy.sd.load_lora_for_models per file
+    stock_fresh   stock.clone(force_deepcopy=True): ComfyUI's weight patches travel with the clone
+    sched         ours with a schedule `0:0, 1:1` on the first entry (the wrapper sets the progress per step)
+    sched_fresh   sched.clone(force_deepcopy=True)
+    base_after    base again, after all of them
+
+A control LoRA. BFL's Flux Canny / Depth LoRAs widen img_in to take the control image's latent too, which the
+runtime path cannot do; the engine refuses such a file, and the remedy it names is a stock LoraLoaderModelOnly
+with MultiLoRALoader after it. With the control image's latent in the conditioning (`concat_latent_image`, as
+InstructPixToPixConditioning sets it):
+
+    control       the control LoRA by comfy.sd.load_lora_for_models (LoraLoaderModelOnly's call)
+    control_stock control, then the stack's LoRAs the same way
+    control_ours  control, then the stack by bridge.apply_stack
+
+The result is one JSON object of max-abs differences and the refusal's message; test_sampling.py holds them to
+their bounds. This module imports neither torch nor ComfyUI at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the layouts and the tools are imported from the repository
+    sys.path.insert(0, str(ROOT))
+
+from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
+
+ENTRIES = (("kohya", 1.0), ("diffusers", -0.6))
+SCHEDULE = "0:0, 1:1"
+
+
+def control_lora(torch, root, rank: int = 4) -> dict:
+    """BFL's control LoRA layout for `root` (no `diffusion_model.` prefix): img_in's A takes twice the layer's
+    inputs, a bias on its B, the norms' scales set, and one block Linear."""
+    g = torch.Generator().manual_seed(3)
+    img_in = root.diffusion_model.img_in.weight
+    qkv = root.diffusion_model.double_blocks[0].img_attn.qkv.weight
+    norm = next(root.diffusion_model.single_blocks[0].norm.key_norm.parameters())  # the file names it `scale`
+    return {"img_in.lora_A.weight": torch.randn(rank, 2 * img_in.shape[1], generator=g) * 0.1,
+            "img_in.lora_B.weight": torch.randn(img_in.shape[0], rank, generator=g) * 0.1,
+            "img_in.lora_B.bias": torch.randn(img_in.shape[0], generator=g) * 0.01,
+            "single_blocks.0.norm.key_norm.scale": torch.full_like(norm, 1.1),
+            "double_blocks.0.img_attn.qkv.lora_A.weight": torch.randn(rank, qkv.shape[1], generator=g) * 0.1,
+            "double_blocks.0.img_attn.qkv.lora_B.weight": torch.randn(qkv.shape[0], rank, generator=g) * 0.1}
+
+
+class Run:
+    def __init__(self, comfy, torch, bridge, folder: str):
+        from safetensors.torch import save_file
+
+        from lora_engine import AdapterCache
+        from tools.comfy_inprocess import build_model
+        self.comfy, self.torch, self.bridge, self.folder = comfy, torch, bridge, folder
+        self.fam = fam = families(comfy)["flux"]
+        built = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
+                            expect=fam.expect)
+        unet_path = os.path.join(folder, "flux_unet.safetensors")
+        save_file({k: v.contiguous() for k, v in built.model.diffusion_model.state_dict().items()}, unet_path)
+        self.base = comfy.sd.load_diffusion_model(unet_path)  # cached_patcher_init: the loader itself
+        root = self.base.model
+        modules, keymap = dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {})
+        self.cache = AdapterCache(max_items=8, max_bytes=1 << 30)
+        self.files, self.adapters = {}, {}
+        for i, (layout, _) in enumerate(ENTRIES):
+            w = Writer(torch, modules, keymap, torch.Generator().manual_seed(100 + i), root.model_config.unet_config)
+            fam.layouts[layout](w)
+            self.files[layout] = self.write(f"flux_{layout}.safetensors", w.sd)
+            self.adapters[layout] = self.cache.load(self.files[layout], name=f"flux_{layout}.safetensors",
+                                                    convert=comfy.lora_convert.convert_lora, convert_id="comfy")
+        self.control_path = self.write("flux_control.safetensors", control_lora(torch, root))
+        inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
+        self.cond = {"pooled_output": inputs["y"], "guidance": 3.5}
+        self.context = inputs["context"]
+        self.latent = torch.zeros_like(inputs["x"])
+        self.noise = torch.randn(self.latent.shape, generator=torch.Generator().manual_seed(7))
+        self.control_latent = torch.randn(self.latent.shape, generator=torch.Generator().manual_seed(5))
+
+    def write(self, name: str, sd: dict) -> str:
+        from safetensors.torch import save_file
+        path = os.path.join(self.folder, name)
+        save_file(sd, path)
+        return path
+
+    def sample(self, model, **cond):
+        positive = [[self.context, {**self.cond, **cond}]]
+        out = self.comfy.sample.sample(model, self.noise, 2, 1.0, "euler", "simple", positive, positive, self.latent,
+                                       disable_pbar=True, seed=7)
+        return out.float()
+
+    def stock(self, model, path: str, strength: float):
+        sd = self.comfy.utils.load_torch_file(path, safe_load=True)
+        return self.comfy.sd.load_lora_for_models(model, None, sd, strength, 0)[0]
+
+    def ours(self, model, layouts, strengths, shaping=None):
+        k = len(layouts)
+        return self.bridge.apply_stack(model, None, [self.adapters[lay] for lay in layouts], list(strengths),
+                                       [0.0] * k, k, shaping=shaping)[0]
+
+    def clones(self) -> dict:
+        from lora_engine.schedule import Schedule
+        layouts, strengths = [lay for lay, _ in ENTRIES], [s for _, s in ENTRIES]
+        s = {"base": self.sample(self.base)}
+        ours = self.ours(self.base, layouts, strengths)
+        s["ours"] = self.sample(ours)
+        ours_fresh = ours.clone(force_deepcopy=True)
+        s["ours_fresh"] = self.sample(ours_fresh)
+        stock = self.base
+        for layout, strength in ENTRIES:
+            stock = self.stock(stock, self.files[layout], strength)
+        s["stock"] = self.sample(stock)
+        s["stock_fresh"] = self.sample(stock.clone(force_deepcopy=True))
+        shaping = [self.bridge.Shaping(schedule=Schedule.parse(SCHEDULE))] + [None] * (len(layouts) - 1)
+        sched = self.ours(self.base, layouts, strengths, shaping)
+        s["sched"] = self.sample(sched)
+        sched_fresh = sched.clone(force_deepcopy=True)
+        s["sched_fresh"] = self.sample(sched_fresh)
+        s["base_after"] = self.sample(self.base)
+        return {"fresh_models": [ours_fresh.model is not ours.model, sched_fresh.model is not sched.model],
+                "stock_max": s["stock"].abs().max().item(),
+                **diffs(s, ("ours", "stock"), ("base", "stock"), ("ours_fresh", "ours"),
+                        ("ours_fresh", "stock_fresh"), ("stock_fresh", "stock"), ("sched", "ours"),
+                        ("sched_fresh", "sched"), ("base_after", "base"))}
+
+    def control(self) -> dict:
+        from lora_engine import LoRAFormatError
+        try:
+            self.cache.load(self.control_path, name="flux_control.safetensors",
+                            convert=self.comfy.lora_convert.convert_lora, convert_id="comfy")
+            refusal = None
+        except LoRAFormatError as e:
+            refusal = str(e)
+        cond = {"concat_latent_image": self.control_latent}
+        control = self.stock(self.base, self.control_path, 1.0)
+        s = {"base": self.sample(self.base, **cond), "control": self.sample(control, **cond)}
+        stock = control
+        for layout, strength in ENTRIES:
+            stock = self.stock(stock, self.files[layout], strength)
+        s["control_stock"] = self.sample(stock, **cond)
+        s["control_ours"] = self.sample(self.ours(control, *zip(*ENTRIES)), **cond)
+        return {"control_refusal": refusal, "control_stock_max": s["control_stock"].abs().max().item(),
+                **diffs(s, ("control", "base"), ("control_stock", "control"), ("control_ours", "control_stock"))}
+
+
+def diffs(samples: dict, *pairs: tuple[str, str]) -> dict:
+    return {f"{a}_vs_{b}": (samples[a] - samples[b]).abs().max().item() for a, b in pairs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--comfy", help="ComfyUI folder; default $COMFYUI_PATH, else ~/comfy/ComfyUI")
+    ap.add_argument("--out", help="also write the JSON object to this file")
+    args = ap.parse_args()
+    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
+    comfy = import_comfy(find_comfy(args.comfy), "cpu")
+    import torch
+    torch.set_num_threads(1)  # a tiny model: on a shared CPU, threads only wait for each other
+    bridge = import_bridge()
+    with tempfile.TemporaryDirectory(prefix="multilora-sampling-") as folder:
+        run = Run(comfy, torch, bridge, folder)
+        result = {**run.clones(), **run.control()}
+        comfy.model_management.unload_all_models()
+    print(json.dumps(result), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
