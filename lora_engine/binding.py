@@ -2,13 +2,22 @@
 
 Binding touches no model state. Its errors name the file, the key and both
 shapes, and arrive before any slot or weight is written.
+
+A model that takes extra input channels (inpainting UNets, Flux Fill, Wan
+image-to-video) widens its input layer: the latent comes first and the
+conditioning is concatenated after it, so that layer's weight is [out, in + c].
+A LoRA trained for the plain model has A [r, in] there. Binding widens such A
+with zero columns, [A | 0], as diffusers does for Flux Fill: the LoRA acts on
+the latent inputs it was trained on and adds nothing for the others. One layer
+of a model can be widened this way; more than one means another model size,
+which is refused.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +26,7 @@ from torch import nn
 from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
-from .patches import LayerPatch, LoHa, LoKr
+from .patches import LayerPatch, LoHa, LoKr, LowRank
 
 if TYPE_CHECKING:
     from .writes import SlotCopies
@@ -212,6 +221,8 @@ class MatchReport:
     formats: tuple[str, ...]
     # Of `unmatched`, the prefixes whose layer the model has but the runtime path does not hook: (prefix, class).
     unhookable: tuple[tuple[str, str], ...] = ()
+    # A layer whose A was widened with zero columns: (layer, the file's inputs, the layer's inputs).
+    widened: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def partial(self) -> bool:
@@ -230,6 +241,8 @@ class MatchReport:
             s += f"; {len(self.unmatched)} unmatched, e.g. {', '.join(self.unmatched[:3])}"
         if self.unhookable:
             s += f" ({unhookable_note(self.unhookable)})"
+        if self.widened:
+            s += f"; {widened_note(self.widened)}"
         if self.leftover:
             s += f"; {len(self.leftover)} unparsed keys, e.g. {', '.join(self.leftover[:3])}"
         return s
@@ -238,7 +251,8 @@ class MatchReport:
         return {"adapter": self.adapter, "path": self.path, "model": self.model, "matched": self.matched,
                 "low_rank": self.low_rank, "dense": self.dense, "unmatched": list(self.unmatched),
                 "leftover": list(self.leftover), "formats": list(self.formats), "partial": self.partial,
-                "runtime_path": self.runtime_path, "unhookable": [list(u) for u in self.unhookable]}
+                "runtime_path": self.runtime_path, "unhookable": [list(u) for u in self.unhookable],
+                "widened": [list(w) for w in self.widened]}
 
 
 def _kinds(unhookable) -> str:
@@ -249,6 +263,12 @@ def unhookable_note(unhookable) -> str:
     """What a report says of the keys on layers the runtime path does not hook."""
     return (f"{len(unhookable)} of them on layers the runtime path does not hook ({_kinds(unhookable)}); "
             "ComfyUI's LoraLoader fuses those into the weights")
+
+
+def widened_note(widened) -> str:
+    """What a report says of the layers whose A was widened (`MatchReport.widened`)."""
+    return "; ".join(f"{name} takes {have} inputs where the file has {got}: the LoRA acts on the first {got} "
+                     "(the latent), not on the model's extra input channels" for name, got, have in widened)
 
 
 @dataclass
@@ -263,6 +283,7 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
     pieces: dict[str, list[Piece]] = {}
     geometry: dict[str, Geometry] = {}
     unmatched: list[str] = []
+    widened: list[tuple[str, int, int]] = []
     for prefix, patch in adapter.layers.items():
         target = keymap.resolve(prefix)
         if target is None:
@@ -271,6 +292,10 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         g = geometry.get(target.module)
         if g is None:
             g = geometry[target.module] = Geometry.of(keymap.modules[target.module])
+        narrow = _narrow_input(g, patch, target.out_slice)
+        if narrow is not None and not widened:
+            widened.append((target.module, narrow, g.in_features))
+            patch = _widen(patch, g.in_features)
         _check(adapter, target.module, g, patch, target.out_slice)
         pieces.setdefault(target.module, []).append(Piece(patch, target.out_slice, target.rows))
     plans = {name: ModulePlan(name, keymap.modules[name], geometry[name], ps, adapter.path)
@@ -280,7 +305,7 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         raise no_match(f"the adapter matches no layer of {model_name}", adapter, unhookable)
     low = sum(1 for p in plans.values() if p.low_rank)
     report = MatchReport(adapter.name, adapter.path, model_name, len(plans), low, len(plans) - low,
-                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats, unhookable)
+                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats, unhookable, tuple(widened))
     return Binding(adapter, plans, report)
 
 
@@ -294,6 +319,25 @@ def no_match(what: str, adapter: Adapter, unhookable) -> LoRANoMatchError:
                                 remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
     return LoRANoMatchError(f"{what} ({n} layer keys, e.g. {examples})", path=adapter.path,
                             remedy="it is probably a LoRA for another model family")
+
+
+def _narrow_input(g: Geometry, patch: LayerPatch, out_slice: tuple[int, int] | None) -> int | None:
+    """The file's inputs where a low-rank patch fits a layer but for fewer inputs (its A [r, in, *k] against the
+    layer's [out, in + c, *k]), else None. DoRA's norm is over the trained weight's columns, so it is not widened."""
+    w = patch.weight
+    if not isinstance(w, LowRank) or patch.dora_scale is not None or out_slice is not None or not g.low_rank_ok:
+        return None
+    down = w.down
+    if down.dim() != 2 + g.conv_dims or tuple(down.shape[2:]) != g.kernel or w.up.shape[0] != g.out_features:
+        return None
+    return down.shape[1] if 0 < down.shape[1] < g.in_features else None
+
+
+def _widen(patch: LayerPatch, inputs: int) -> LayerPatch:
+    """`patch` with its A widened to `inputs` by zero columns (the adapter itself is left as it is)."""
+    down = patch.weight.down
+    pad = down.new_zeros(down.shape[0], inputs - down.shape[1], *down.shape[2:])
+    return replace(patch, weight=replace(patch.weight, down=torch.cat([down, pad], dim=1)))
 
 
 def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slice: tuple[int, int] | None) -> None:

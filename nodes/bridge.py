@@ -39,7 +39,7 @@ from lora_engine import (
     bind,
     default_cache,
 )
-from lora_engine.binding import no_match, unhookable_note
+from lora_engine.binding import no_match, unhookable_note, widened_note
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError
@@ -243,6 +243,7 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=(
         "no_clip_layers": len(no_clip),
         "low_rank": sum(r.low_rank for r in parts), "dense": sum(r.dense for r in parts),
         "unmatched": sorted(unmatched), "unhookable": [list(u) for u in unhookable],
+        "widened": [list(w) for r in parts for w in r.widened],
         "leftover": list(adapter.leftover),
         "partial": bool(unmatched or adapter.leftover),
     }
@@ -269,6 +270,8 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
         line += f"; {len(report['unmatched'])} unmatched, e.g. {', '.join(report['unmatched'][:3])}"
     if report["unhookable"]:
         line += f" ({unhookable_note(report['unhookable'])})"
+    if report["widened"]:
+        line += f"; {widened_note(report['widened'])}"
     if report["leftover"]:
         line += f"; {len(report['leftover'])} unparsed keys, e.g. {', '.join(report['leftover'][:3])}"
     (log.warning if report["partial"] else log.info)(line)

@@ -29,6 +29,7 @@ export function rowStatus(status, name) {
     unmatched: (r.unmatched ?? []).length,
     unhookable: (r.unhookable ?? []).length,
     leftover: (r.leftover ?? []).length,
+    widened: (r.widened ?? []).map((w) => ({ layer: String(w?.[0] ?? '?'), file: w?.[1] | 0, model: w?.[2] | 0 })),
     partial: !!r.partial,
   }
   return { cached, slots, report }
@@ -53,7 +54,9 @@ export function badges(rs) {
       kind: 'layers',
       text: `${matched}/${r.inFile} layers`,
       title: `${r.model} model + ${r.clip} text-encoder layers matched, of ${r.inFile} in the file`
-        + (r.noClip ? `; ${r.noClip} text-encoder layers not applied: no CLIP is connected to the loader` : ''),
+        + (r.noClip ? `; ${r.noClip} text-encoder layers not applied: no CLIP is connected to the loader` : '')
+        + r.widened.map((w) => `; ${w.layer} takes ${w.model} inputs where the file has ${w.file}: the LoRA acts`
+          + ` on the first ${w.file} (the latent), not on the model's extra input channels`).join(''),
     })
     if (r.partial) {
       const why = []

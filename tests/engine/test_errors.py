@@ -176,14 +176,14 @@ def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
 
 def test_wrong_shape_names_file_key_and_layer(tmp_path):
     t = lf.lora_tensors(lf.tiny(), "kohya", 1)
-    t["lora_unet_proj.lora_down.weight"] = torch.zeros(3, 7)
+    t["lora_unet_proj.lora_down.weight"] = torch.zeros(3, 100)  # proj takes 96 (fewer: test_widened.py)
     adapter = load_adapter(lf.write(tmp_path, "shape.safetensors", t))
     model = lf.tiny()
     bank = SlotBank(model)
     with pytest.raises(LoRAShapeError) as e:
         bank.activate([(adapter, 1.0)])
     msg = str(e.value)
-    assert "shape.safetensors" in msg and "lora_unet_proj" in msg and "(3, 7)" in msg and "'proj'" in msg
+    assert "shape.safetensors" in msg and "lora_unet_proj" in msg and "(3, 100)" in msg and "'proj'" in msg
     assert bank.slots == [None] * bank.max_loras and not bank.layers
 
 
@@ -238,7 +238,7 @@ def test_failed_activation_leaves_the_previous_set_running(tmp_path):
     x = lf.tiny_input()
     ok = load_adapter(good(tmp_path))
     t = lf.lora_tensors(lf.tiny(), "kohya", 2)
-    t["lora_unet_head.lora_down.weight"] = torch.zeros(3, 9)
+    t["lora_unet_head.lora_down.weight"] = torch.zeros(3, 40)  # head takes 32
     bad = load_adapter(lf.write(tmp_path, "bad.safetensors", t))
     bank = SlotBank(model, max_loras=2)
     bank.activate([(ok, 1.0)])

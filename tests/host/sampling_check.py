@@ -1,4 +1,5 @@
-"""Sampled in-process on ComfyUI's Flux: stacks on clones with a model of their own, and next to a control LoRA.
+"""Sampled in-process on ComfyUI's Flux: stacks on clones with a model of their own, next to a control LoRA, and on
+Flux Fill.
 
 Run with ComfyUI's python (tests/host/test_sampling.py does):
 
@@ -32,8 +33,17 @@ InstructPixToPixConditioning sets it):
     control_stock control, then the stack's LoRAs the same way
     control_ours  control, then the stack by bridge.apply_stack
 
-The result is one JSON object of max-abs differences and the refusal's message; test_sampling.py holds them to
-their bounds. This module imports neither torch nor ComfyUI at import time.
+Flux Fill. Its img_in takes the latent's 64 features and 320 of the masked image and the mask after them; a Flux
+LoRA that targets img_in has A [r, 64] there. The stack widens A with zero columns; ComfyUI's LoraLoader leaves the
+layer out (it logs a shape error). On ComfyUI's FluxInpaint, with the masked image's latent in the conditioning:
+
+    fill_base     no LoRA
+    fill_ours     bridge.apply_stack of a Flux LoRA on the blocks and img_in
+    fill_padded   that file with A padded by zero columns, by comfy.sd.load_lora_for_models: the same function
+    fill_stock    the file itself by comfy.sd.load_lora_for_models: img_in left out
+
+The result is one JSON object of max-abs differences, the refusal's message and Flux Fill's match report;
+test_sampling.py holds them to their bounds. This module imports neither torch nor ComfyUI at import time.
 """
 
 from __future__ import annotations
@@ -167,6 +177,43 @@ class Run:
                 **diffs(s, ("control", "base"), ("control_stock", "control"), ("control_ours", "control_stock"))}
 
 
+    def fill(self) -> dict:
+        from safetensors.torch import save_file
+
+        from tools.comfy_inprocess import build_model, flux_config
+        torch, comfy = self.torch, self.comfy
+        config = {**self.fam.unet_config, "in_channels": 96}
+        model = build_model(comfy, torch, config, dtype=torch.float32, device=torch.device("cpu"),
+                            expect="FluxInpaint")
+        root = model.model
+        w = Writer(torch, dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {}),
+                   torch.Generator().manual_seed(100), root.model_config.unet_config)
+        self.fam.layouts["kohya"](w)
+        g = torch.Generator().manual_seed(9)
+        hidden = root.diffusion_model.img_in.weight.shape[0]
+        w.sd["lora_unet_img_in.lora_down.weight"] = torch.randn(8, 64, generator=g) * 0.1
+        w.sd["lora_unet_img_in.lora_up.weight"] = torch.randn(hidden, 8, generator=g) * 0.05
+        w.sd["lora_unet_img_in.alpha"] = torch.tensor(4.0)
+        plain = self.write("flux_plain_img_in.safetensors", w.sd)
+        padded = dict(w.sd)
+        down = padded["lora_unet_img_in.lora_down.weight"]
+        padded["lora_unet_img_in.lora_down.weight"] = torch.cat([down, down.new_zeros(8, 320)], dim=1)
+        padded_path = os.path.join(self.folder, "flux_padded_img_in.safetensors")
+        save_file(padded, padded_path)
+        adapter = self.cache.load(plain, name="flux_plain_img_in.safetensors",
+                                  convert=comfy.lora_convert.convert_lora, convert_id="comfy")
+        cond = {"concat_latent_image": self.control_latent}
+        ours = self.bridge.apply_stack(model, None, [adapter], [1.0], [0.0], 1)[0]
+        s = {"fill_base": self.sample(model, **cond), "fill_ours": self.sample(ours, **cond),
+             "fill_padded": self.sample(self.stock(model, padded_path, 1.0), **cond),
+             "fill_stock": self.sample(self.stock(model, plain, 1.0), **cond)}
+        report = next(r for r in self.bridge.reports() if r["adapter"] == "flux_plain_img_in.safetensors")
+        return {"fill_max": s["fill_padded"].abs().max().item(), "fill_widened": report["widened"],
+                "fill_partial": report["partial"], "fill_model_layers": report["model_layers"],
+                "fill_layers_in_file": report["layers_in_file"],
+                **diffs(s, ("fill_ours", "fill_padded"), ("fill_padded", "fill_stock"), ("fill_stock", "fill_base"))}
+
+
 def diffs(samples: dict, *pairs: tuple[str, str]) -> dict:
     return {f"{a}_vs_{b}": (samples[a] - samples[b]).abs().max().item() for a, b in pairs}
 
@@ -183,7 +230,7 @@ def main() -> int:
     bridge = import_bridge()
     with tempfile.TemporaryDirectory(prefix="multilora-sampling-") as folder:
         run = Run(comfy, torch, bridge, folder)
-        result = {**run.clones(), **run.control()}
+        result = {**run.clones(), **run.control(), **run.fill()}
         comfy.model_management.unload_all_models()
     print(json.dumps(result), flush=True)
     if args.out:

@@ -25,7 +25,8 @@ test('rowStatus: slots, cache and the match report of one LoRA', () => {
   assert.deepEqual(rowStatus(STATUS, 'a.safetensors'), {
     cached: true,
     slots: [{ model: 'BaseModel', slot: 1 }, { model: 'SD1ClipModel (text encoder)', slot: 2 }],
-    report: { model: 10, clip: 2, noClip: 0, inFile: 12, unmatched: 0, unhookable: 0, leftover: 0, partial: false },
+    report: { model: 10, clip: 2, noClip: 0, inFile: 12, unmatched: 0, unhookable: 0, leftover: 0, widened: [],
+      partial: false },
   })
   assert.deepEqual(rowStatus(STATUS, 'c.safetensors'), { cached: false, slots: [], report: null })
   assert.equal(rowStatus(STATUS, 'None'), null)
@@ -62,6 +63,15 @@ test('badges: keys on layers the runtime path does not hook are said so within t
   assert.match(partial.title, /2 layers match no layer of the model \(1 of them name layers the runtime path does not hook/)
   assert.match(partial.title, /LoraLoader/)
   assert.doesNotMatch(badges(rowStatus(STATUS, 'b.safetensors'))[2].title, /does not hook/)
+})
+
+test('badges: a layer widened for a model with extra input channels is said so, not counted as a partial match', () => {
+  const status = { reports: [{ adapter: 'f.safetensors', model_layers: 12, clip_layers: 0, layers_in_file: 12,
+    unmatched: [], leftover: [], widened: [['diffusion_model.img_in', 64, 384]], partial: false }] }
+  const all = badges(rowStatus(status, 'f.safetensors'))
+  assert.deepEqual(all.map((b) => b.kind), ['idle', 'layers'])
+  assert.match(all[1].title, /diffusion_model\.img_in takes 384 inputs where the file has 64: the LoRA acts on the first 64/)
+  assert.doesNotMatch(badges(rowStatus(STATUS, 'a.safetensors'))[1].title, /inputs/)
 })
 
 test('metaText: family, rank and triggers in one line', () => {
