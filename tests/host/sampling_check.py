@@ -178,9 +178,7 @@ class Run:
 
 
     def fill(self) -> dict:
-        from safetensors.torch import save_file
-
-        from tools.comfy_inprocess import build_model, flux_config
+        from tools.comfy_inprocess import build_model
         torch, comfy = self.torch, self.comfy
         config = {**self.fam.unet_config, "in_channels": 96}
         model = build_model(comfy, torch, config, dtype=torch.float32, device=torch.device("cpu"),
@@ -198,8 +196,7 @@ class Run:
         padded = dict(w.sd)
         down = padded["lora_unet_img_in.lora_down.weight"]
         padded["lora_unet_img_in.lora_down.weight"] = torch.cat([down, down.new_zeros(8, 320)], dim=1)
-        padded_path = os.path.join(self.folder, "flux_padded_img_in.safetensors")
-        save_file(padded, padded_path)
+        padded_path = self.write("flux_padded_img_in.safetensors", padded)
         adapter = self.cache.load(plain, name="flux_plain_img_in.safetensors",
                                   convert=comfy.lora_convert.convert_lora, convert_id="comfy")
         cond = {"concat_latent_image": self.control_latent}

@@ -5,10 +5,11 @@ LoRA that a stock loader applies, and a Flux LoRA that reaches img_in on Flux Fi
 Euler sample through `comfy.sample.sample` of a tiny Flux loaded with `comfy.sd.load_diffusion_model`.
 
 Tolerance: as in test_families.py, REL_TOL of the sample's magnitude. Ours against ComfyUI's fused path differs by
-the association of (W + s·ΔW)·x against W·x + s·B·(A·x): measured 1.9e-6 against max|sample| 9.1 (2e-7
-relative), 2.0e-6 after the control LoRA, and 1.4e-6 of 9.6 on Flux Fill against the file padded by hand. A fresh clone against the clone it came from runs the same weights
-and adapters (measured 0). Every effect a check relies on is at least BASE_MARGIN tolerances: the stack moves the
-sample by 1.1 (0.86 after the control LoRA), the schedule by 0.012, the control LoRA by 2.4, the img_in part on Flux Fill by 0.55. So each check can
+the association of (W + s·ΔW)·x against W·x + s·B·(A·x). Measured: 1.9e-6 against max|sample| 9.1 (2e-7
+relative); 2.0e-6 after the control LoRA; 1.4e-6 of 9.6 on Flux Fill, against the file widened by hand. A fresh
+clone against the clone it came from runs the same weights and adapters (measured 0). Every effect a check relies
+on is at least BASE_MARGIN tolerances: the stack moves the sample by 1.1 (0.86 after the control LoRA), the
+schedule by 0.012, the control LoRA by 2.4, the img_in part of the LoRA on Flux Fill by 0.55. So each check can
 fail: before the injection bound to the patcher's own model, a fresh clone sampled the base model (1.1 off); with
 the schedule's progress set on the loader's model instead of the called one, 0.0073 off.
 """
