@@ -150,14 +150,19 @@ def fp32_text_encoder(comfy_root, comfy_python, models_dir, tmp_path_factory):
         srv.stop()
 
 
-def test_model_only_matches_stock_within_fused_vs_bypass_floor(server, ours, record_property):
+def test_model_only_matches_stock_within_fused_vs_bypass_floor(server, ours, reference, record_property):
     fused, bypass = fused_vs_bypass(server, ours)
-    floor = mad(fused, bypass)
+    # On some CPUs ComfyUI's two paths round every pixel alike; the floor is then one channel off by one level,
+    # the least two images that differ at all can differ by (measured there: ours 1 value off).
+    floor = max(mad(fused, bypass), 1.0 / fused.size)
     mine = one(server, model_only(ours))
     diff = mad(mine, fused)
+    effect = mad(fused, reference["base"])
     record_property("floor_fused_vs_bypass", floor)
     record_property("ours_vs_fused", diff)
-    print(f"\nmodel only: floor (ComfyUI fused vs bypass) {floor:.6f}; ours vs fused {diff:.6f}")
+    print(f"\nmodel only: floor (ComfyUI fused vs bypass) {floor:.6f}; ours vs fused {diff:.6f}; "
+          f"LoRA effect {effect:.2f}")
+    assert effect > 10 * 3 * floor
     assert diff <= 3 * floor
 
 
