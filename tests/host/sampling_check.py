@@ -1,5 +1,5 @@
-"""Sampled in-process on ComfyUI's Flux: stacks on clones with a model of their own, next to a control LoRA, and on
-Flux Fill.
+"""In-process on ComfyUI's models: stacks on clones with a model of their own, next to a control LoRA, and on models
+whose input layer takes extra channels (Flux Fill, an SDXL inpainting UNet).
 
 Run with ComfyUI's python (tests/host/test_sampling.py does):
 
@@ -42,8 +42,12 @@ layer out (it logs a shape error). On ComfyUI's FluxInpaint, with the masked ima
     fill_padded   that file with A padded by zero columns, by comfy.sd.load_lora_for_models: the same function
     fill_stock    the file itself by comfy.sd.load_lora_for_models: img_in left out
 
-The result is one JSON object of max-abs differences, the refusal's message and Flux Fill's match report;
-test_sampling.py holds them to their bounds. This module imports neither torch nor ComfyUI at import time.
+An SDXL inpainting UNet (the tiny SDXL of family_layouts.py with 9 input channels: the latent's 4, then the mask
+and the masked image) and a kohya LoCon of plain SDXL that reaches conv_in (4 inputs there), one forward of the
+diffusion model on the 9 channels each, as above: inpaint_base, inpaint_ours, inpaint_padded, inpaint_stock.
+
+The result is one JSON object of max-abs differences, the refusal's message and the match reports of the widened
+layers; test_sampling.py holds them to their bounds. This module imports neither torch nor ComfyUI at import time.
 """
 
 from __future__ import annotations
@@ -180,35 +184,70 @@ class Run:
     def fill(self) -> dict:
         from tools.comfy_inprocess import build_model
         torch, comfy = self.torch, self.comfy
-        config = {**self.fam.unet_config, "in_channels": 96}
-        model = build_model(comfy, torch, config, dtype=torch.float32, device=torch.device("cpu"),
-                            expect="FluxInpaint")
+        model = build_model(comfy, torch, {**self.fam.unet_config, "in_channels": 96}, dtype=torch.float32,
+                            device=torch.device("cpu"), expect="FluxInpaint")
         root = model.model
         w = Writer(torch, dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {}),
                    torch.Generator().manual_seed(100), root.model_config.unet_config)
         self.fam.layouts["kohya"](w)
         g = torch.Generator().manual_seed(9)
-        hidden = root.diffusion_model.img_in.weight.shape[0]
+        img_in = root.diffusion_model.img_in.weight
         w.sd["lora_unet_img_in.lora_down.weight"] = torch.randn(8, 64, generator=g) * 0.1
-        w.sd["lora_unet_img_in.lora_up.weight"] = torch.randn(hidden, 8, generator=g) * 0.05
+        w.sd["lora_unet_img_in.lora_up.weight"] = torch.randn(img_in.shape[0], 8, generator=g) * 0.05
         w.sd["lora_unet_img_in.alpha"] = torch.tensor(4.0)
-        plain = self.write("flux_plain_img_in.safetensors", w.sd)
-        padded = dict(w.sd)
-        down = padded["lora_unet_img_in.lora_down.weight"]
-        padded["lora_unet_img_in.lora_down.weight"] = torch.cat([down, down.new_zeros(8, 320)], dim=1)
-        padded_path = self.write("flux_padded_img_in.safetensors", padded)
-        adapter = self.cache.load(plain, name="flux_plain_img_in.safetensors",
-                                  convert=comfy.lora_convert.convert_lora, convert_id="comfy")
-        cond = {"concat_latent_image": self.control_latent}
-        ours = self.bridge.apply_stack(model, None, [adapter], [1.0], [0.0], 1)[0]
-        s = {"fill_base": self.sample(model, **cond), "fill_ours": self.sample(ours, **cond),
-             "fill_padded": self.sample(self.stock(model, padded_path, 1.0), **cond),
-             "fill_stock": self.sample(self.stock(model, plain, 1.0), **cond)}
-        report = next(r for r in self.bridge.reports() if r["adapter"] == "flux_plain_img_in.safetensors")
-        return {"fill_max": s["fill_padded"].abs().max().item(), "fill_widened": report["widened"],
-                "fill_partial": report["partial"], "fill_model_layers": report["model_layers"],
-                "fill_layers_in_file": report["layers_in_file"],
-                **diffs(s, ("fill_ours", "fill_padded"), ("fill_padded", "fill_stock"), ("fill_stock", "fill_base"))}
+        return self.widened(model, "fill", w.sd, "lora_unet_img_in.lora_down.weight", img_in.shape[1],
+                            lambda m: self.sample(m, concat_latent_image=self.control_latent))
+
+    def widened(self, model, tag: str, sd: dict, down_key: str, inputs: int, run) -> dict:
+        """The outputs `run(patcher)` of the base model, the stack, and stock loads of the file `sd` widened by hand
+        and as it is, where `sd[down_key]` is an A for fewer than the layer's `inputs`; and the file's match
+        report."""
+        torch, comfy = self.torch, self.comfy
+        plain = self.write(f"{tag}_plain.safetensors", sd)
+        padded = dict(sd)
+        down = padded[down_key]
+        extra_inputs = inputs - down.shape[1]
+        padded[down_key] = torch.cat([down, down.new_zeros(down.shape[0], extra_inputs, *down.shape[2:])], dim=1)
+        padded_path = self.write(f"{tag}_padded.safetensors", padded)
+        adapter = self.cache.load(plain, name=f"{tag}_plain.safetensors", convert=comfy.lora_convert.convert_lora,
+                                  convert_id="comfy")
+        out = {f"{tag}_base": run(model),
+               f"{tag}_ours": run(self.bridge.apply_stack(model, None, [adapter], [1.0], [0.0], 1)[0]),
+               f"{tag}_padded": run(self.stock(model, padded_path, 1.0)),
+               f"{tag}_stock": run(self.stock(model, plain, 1.0))}
+        report = next(r for r in self.bridge.reports() if r["adapter"] == f"{tag}_plain.safetensors")
+        return {f"{tag}_max": out[f"{tag}_padded"].abs().max().item(), f"{tag}_widened": report["widened"],
+                f"{tag}_partial": report["partial"], f"{tag}_model_layers": report["model_layers"],
+                f"{tag}_layers_in_file": report["layers_in_file"],
+                **diffs(out, (f"{tag}_ours", f"{tag}_padded"), (f"{tag}_padded", f"{tag}_stock"),
+                        (f"{tag}_stock", f"{tag}_base"))}
+
+    def inpaint(self) -> dict:
+        from tests.host.family_layouts import SDXL_TINY, SDXL_UNET, sdxl_inputs, sdxl_kohya
+        from tools.comfy_inprocess import build_model
+        torch, comfy = self.torch, self.comfy
+        model = build_model(comfy, torch, {**SDXL_UNET, "in_channels": 9}, dtype=torch.float32,
+                            device=torch.device("cpu"), expect="SDXL", resize=SDXL_TINY)
+        root = model.model
+        w = Writer(torch, dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {}),
+                   torch.Generator().manual_seed(101), root.model_config.unet_config)
+        sdxl_kohya(w)
+        g = torch.Generator().manual_seed(11)
+        channels = root.diffusion_model.input_blocks[0][0].weight.shape[0]
+        w.sd["lora_unet_input_blocks_0_0.lora_down.weight"] = torch.randn(4, 4, 3, 3, generator=g) * 0.1
+        w.sd["lora_unet_input_blocks_0_0.lora_up.weight"] = torch.randn(channels, 4, 1, 1, generator=g) * 0.1
+        w.sd["lora_unet_input_blocks_0_0.alpha"] = torch.tensor(2.0)
+        inputs = sdxl_inputs(torch, torch.Generator().manual_seed(1))
+        x = inputs["x"]
+        mask = torch.ones_like(x[:, :1])
+        inputs["x"] = torch.cat([x, mask, torch.randn(x.shape, generator=g)], dim=1)  # as BaseModel concatenates
+
+        def run(m):
+            comfy.model_management.load_models_gpu([m])
+            with torch.inference_mode():
+                return root.diffusion_model(**inputs).float()
+
+        return self.widened(model, "inpaint", w.sd, "lora_unet_input_blocks_0_0.lora_down.weight", 9, run)
 
 
 def diffs(samples: dict, *pairs: tuple[str, str]) -> dict:
@@ -227,7 +266,7 @@ def main() -> int:
     bridge = import_bridge()
     with tempfile.TemporaryDirectory(prefix="multilora-sampling-") as folder:
         run = Run(comfy, torch, bridge, folder)
-        result = {**run.clones(), **run.control(), **run.fill()}
+        result = {**run.clones(), **run.control(), **run.fill(), **run.inpaint()}
         comfy.model_management.unload_all_models()
     print(json.dumps(result), flush=True)
     if args.out:
