@@ -303,27 +303,33 @@ MERGE_WARNING = ("[MultiLoRA] a model merge (ModelMergeSimple, ModelMergeBlocks,
 
 
 class StackInjection(comfy.patcher_extension.PatcherInjection):
-    """Activates the stack on the model of the patcher ComfyUI injects it into, which is not always the model
-    the loader saw: a clone may carry a model object of its own, loaded afresh from the loader's
-    `cached_patcher_init` (`clone(disable_dynamic=True)`, as TorchCompileModel asks under the dynamic-VRAM
-    loader; `clone(force_deepcopy=True)`; a multi-GPU clone per device). Each such model gets its own bank,
-    on the patcher's load device."""
+    """Activates the stack on the model that runs. For the diffusion model that is the model of the patcher
+    ComfyUI injects it into, which is not always the model the loader saw: a clone may carry a model object of
+    its own, loaded afresh from the loader's `cached_patcher_init` (`clone(disable_dynamic=True)`, as
+    TorchCompileModel asks under the dynamic-VRAM loader; `clone(force_deepcopy=True)`; a multi-GPU clone per
+    device), and the sampler calls that one. Each such model gets its own bank, on the patcher's load device.
+    A text encoder runs `CLIP.cond_stage_model`, which every clone of a CLIP shares even where its patcher holds
+    another model (`CLIP.clone(disable_dynamic=True)`, as SetClipHooks asks): its stack stays on that `root`."""
 
-    def __init__(self, stack: Stack, merges: int = 0):
+    def __init__(self, stack: Stack, merges: int = 0, root=None):
         super().__init__(self._inject, self._eject)
         self.stack = stack
         self.merges = merges  # merge patches the model held when the stack was put on it
+        self.root = root
         self.warned = False
+
+    def _root(self, patcher):
+        return self.root if self.root is not None else patcher.model
 
     def _inject(self, patcher):
         if not self.warned and merge_patches(patcher) > self.merges:
             self.warned = True
             log.warning(MERGE_WARNING)
-        bank = _bank(patcher, patcher.model, self.stack.kind, self.stack.slots)
+        bank = _bank(patcher, self._root(patcher), self.stack.kind, self.stack.slots)
         bank.activate(self.stack.entries)
 
     def _eject(self, patcher):
-        bank = patcher.model.__dict__.get("_lora_engine_bank")
+        bank = self._root(patcher).__dict__.get("_lora_engine_bank")
         if bank is not None:
             bank.deactivate()
 
@@ -338,16 +344,17 @@ def current_stack(patcher) -> Stack | None:
     return inj.stack if inj is not None else None
 
 
-def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str):
-    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`. A stack with a
-    schedule or with per-item strengths also gets a wrapper around every model call (`ModelCallWrapper`)."""
+def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None):
+    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
+    it runs on (`StackInjection`). A stack with a schedule or with per-item strengths also gets a wrapper around
+    every model call (`ModelCallWrapper`)."""
     before = _injection(patcher)
     prior = before.stack if before is not None else None
     merged = list(prior.entries) + entries if prior else entries
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
-    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), merges)])
+    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), merges, root)])
     if kind == "unet":
         clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)
@@ -495,7 +502,7 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     new_clip = clip
     if clip is not None and clip_entries:
         new_clip = clip.clone()
-        with_stack(clip.patcher, new_clip.patcher, clip_entries, max_loras, "clip")
+        with_stack(clip.patcher, new_clip.patcher, clip_entries, max_loras, "clip", new_clip.cond_stage_model)
     return new_model, new_clip
 
 
