@@ -13,6 +13,11 @@ A norm layer (LayerNorm, RMSNorm, GroupNorm: y = n(x) · w + b) takes full diffs
 of its weight and bias as s_i · (n(x) · Δw_i + Δb_i), n(x) recomputed without
 the affine part. Only the layer's output is used, never its weight, so fp8,
 GGUF, offloaded and manually cast layers work unchanged.
+
+A layer may take more inputs than the slots were made for: the host widened its
+weight after binding (ComfyUI's LoraLoader widens Flux's img_in for a control
+LoRA). The adapters then read the first inputs, the ones they were made for:
+x · [A | 0]ᵀ = x[..., :in] · Aᵀ, as binding widens A for a wider layer.
 """
 
 from __future__ import annotations
@@ -111,6 +116,10 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
     and bias slots it lists."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
+    if not geom.norm:
+        axis = -1 if geom.conv_dims == 0 else 1
+        if xd.shape[axis] > geom.in_features:
+            xd = xd.narrow(axis, 0, geom.in_features)
     if a is not None:
         if geom.conv_dims == 0:
             out = _low_rank_linear(xd, a, b, columns, out)

@@ -1,5 +1,6 @@
 """A LoRA for a plain model on its variant with extra input channels (inpainting, Flux Fill, Wan image-to-video):
-the input layer's A is widened with zero columns, and only one layer of a model is widened."""
+the input layer's A is widened with zero columns, and only one layer of a model is widened; a layer the host widens
+after binding gives the adapter its first inputs."""
 
 from __future__ import annotations
 
@@ -84,6 +85,25 @@ def test_the_input_layer_takes_the_lora_on_its_first_inputs(tmp_path, layer):
     report = bank.binding(adapter).report
     assert report.widened == ((layer, 4, 12 if layer == "img_in" else 9),)
     assert "the LoRA acts on the first 4" in report.line() and not report.partial
+    bank.release()
+
+
+def test_a_layer_widened_after_binding_gives_the_adapter_its_first_inputs(tmp_path):
+    """The host widens the weight once the stack is bound (ComfyUI's LoraLoader does, for a Flux control LoRA):
+    the layer then takes more inputs than its slots were made for."""
+    model, (x, _) = Fill().eval(), inputs()
+    narrow = nn.Linear(4, 8)
+    model.img_in = narrow
+    adapter = load_adapter(lf.write(tmp_path, "plain.safetensors", kohya({"img_in": LINEAR})))
+    bank = SlotBank(model, max_loras=1)
+    bank.activate([(adapter, 0.8)])
+    with torch.no_grad():
+        wide = torch.cat([narrow.weight, torch.randn(8, 8)], dim=1)
+        narrow.weight = nn.Parameter(wide)  # in_features still says 4, as after ComfyUI's reshape
+        got = model.img_in(x)
+        want = F.linear(x, wide, narrow.bias) + 0.8 * SCALE * F.linear(F.linear(x[:, :4], LINEAR["down"]),
+                                                                        LINEAR["up"])
+    assert (got - want).abs().max() <= TOL
     bank.release()
 
 

@@ -32,6 +32,10 @@ InstructPixToPixConditioning sets it):
     control       the control LoRA by comfy.sd.load_lora_for_models (LoraLoaderModelOnly's call)
     control_stock control, then the stack's LoRAs the same way
     control_ours  control, then the stack by bridge.apply_stack
+    control_img_in_ours   control, then the stack and a LoRA on img_in (A [r, 64]) by bridge.apply_stack: img_in
+                  was bound with 64 inputs and runs with the 128 ComfyUI widens it to
+    control_img_in_stock  control, the stack, and that LoRA widened by hand to 128 inputs (zero columns), by
+                  comfy.sd.load_lora_for_models
 
 Flux Fill. Its img_in takes the latent's 64 features and 320 of the masked image and the mask after them; a Flux
 LoRA that targets img_in has A [r, 64] there. The stack widens A with zero columns; ComfyUI's LoraLoader leaves the
@@ -108,6 +112,18 @@ class Run:
             self.adapters[layout] = self.cache.load(self.files[layout], name=f"flux_{layout}.safetensors",
                                                     convert=comfy.lora_convert.convert_lora, convert_id="comfy")
         self.control_path = self.write("flux_control.safetensors", control_lora(torch, root))
+        # A Flux LoRA on img_in alone, and the same file widened by hand to the inputs a control LoRA gives img_in.
+        g = torch.Generator().manual_seed(13)
+        img_in = {"lora_unet_img_in.lora_down.weight": torch.randn(8, 64, generator=g) * 0.1,
+                  "lora_unet_img_in.lora_up.weight": torch.randn(root.diffusion_model.img_in.weight.shape[0], 8,
+                                                                 generator=g) * 0.05,
+                  "lora_unet_img_in.alpha": torch.tensor(4.0)}
+        self.files["img_in"] = self.write("flux_img_in.safetensors", img_in)
+        self.adapters["img_in"] = self.cache.load(self.files["img_in"], name="flux_img_in.safetensors",
+                                                  convert=comfy.lora_convert.convert_lora, convert_id="comfy")
+        down = img_in["lora_unet_img_in.lora_down.weight"]
+        self.img_in_for_control = self.write("flux_img_in_128.safetensors", {
+            **img_in, "lora_unet_img_in.lora_down.weight": torch.cat([down, torch.zeros_like(down)], dim=1)})
         inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
         self.cond = {"pooled_output": inputs["y"], "guidance": 3.5}
         self.context = inputs["context"]
@@ -177,8 +193,14 @@ class Run:
             stock = self.stock(stock, self.files[layout], strength)
         s["control_stock"] = self.sample(stock, **cond)
         s["control_ours"] = self.sample(self.ours(control, *zip(*ENTRIES)), **cond)
+        # The stack's LoRA on img_in, bound to the 64 inputs it has at the loader, runs where ComfyUI has widened
+        # the weight to 128 for the control image: it reads the first 64, as the file widened by hand does.
+        s["control_img_in_stock"] = self.sample(self.stock(stock, self.img_in_for_control, 1.0), **cond)
+        layouts, strengths = zip(*ENTRIES)
+        s["control_img_in_ours"] = self.sample(self.ours(control, [*layouts, "img_in"], [*strengths, 1.0]), **cond)
         return {"control_refusal": refusal, "control_stock_max": s["control_stock"].abs().max().item(),
-                **diffs(s, ("control", "base"), ("control_stock", "control"), ("control_ours", "control_stock"))}
+                **diffs(s, ("control", "base"), ("control_stock", "control"), ("control_ours", "control_stock"),
+                        ("control_img_in_stock", "control_stock"), ("control_img_in_ours", "control_img_in_stock"))}
 
 
     def fill(self) -> dict:
