@@ -73,6 +73,22 @@ ENTRIES = (("kohya", 1.0), ("diffusers", -0.6))
 SCHEDULE = "0:0, 1:1"
 
 
+def img_in_lora(torch, root, seed: int) -> dict:
+    """A Flux LoRA (kohya names) on img_in alone, for the plain model's 64 inputs, whatever `root`'s img_in takes."""
+    g = torch.Generator().manual_seed(seed)
+    return {"lora_unet_img_in.lora_down.weight": torch.randn(8, 64, generator=g) * 0.1,
+            "lora_unet_img_in.lora_up.weight": torch.randn(root.diffusion_model.img_in.weight.shape[0], 8,
+                                                           generator=g) * 0.05,
+            "lora_unet_img_in.alpha": torch.tensor(4.0)}
+
+
+def widened_by_hand(torch, sd: dict, down_key: str, inputs: int) -> dict:
+    """`sd` with the A at `down_key` widened to `inputs` by zero columns, as the stack widens it."""
+    down = sd[down_key]
+    pad = down.new_zeros(down.shape[0], inputs - down.shape[1], *down.shape[2:])
+    return {**sd, down_key: torch.cat([down, pad], dim=1)}
+
+
 def control_lora(torch, root, rank: int = 4) -> dict:
     """BFL's control LoRA layout for `root` (no `diffusion_model.` prefix): img_in's A takes twice the layer's
     inputs, a bias on its B, the norms' scales set, and one block Linear."""
@@ -90,16 +106,14 @@ def control_lora(torch, root, rank: int = 4) -> dict:
 
 class Run:
     def __init__(self, comfy, torch, bridge, folder: str):
-        from safetensors.torch import save_file
-
         from lora_engine import AdapterCache
         from tools.comfy_inprocess import build_model
         self.comfy, self.torch, self.bridge, self.folder = comfy, torch, bridge, folder
         self.fam = fam = families(comfy)["flux"]
         built = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
                             expect=fam.expect)
-        unet_path = os.path.join(folder, "flux_unet.safetensors")
-        save_file({k: v.contiguous() for k, v in built.model.diffusion_model.state_dict().items()}, unet_path)
+        unet_path = self.write("flux_unet.safetensors",
+                               {k: v.contiguous() for k, v in built.model.diffusion_model.state_dict().items()})
         self.base = comfy.sd.load_diffusion_model(unet_path)  # cached_patcher_init: the loader itself
         root = self.base.model
         modules, keymap = dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {})
@@ -108,22 +122,13 @@ class Run:
         for i, (layout, _) in enumerate(ENTRIES):
             w = Writer(torch, modules, keymap, torch.Generator().manual_seed(100 + i), root.model_config.unet_config)
             fam.layouts[layout](w)
-            self.files[layout] = self.write(f"flux_{layout}.safetensors", w.sd)
-            self.adapters[layout] = self.cache.load(self.files[layout], name=f"flux_{layout}.safetensors",
-                                                    convert=comfy.lora_convert.convert_lora, convert_id="comfy")
+            self.files[layout], self.adapters[layout] = self.load(f"flux_{layout}.safetensors", w.sd)
         self.control_path = self.write("flux_control.safetensors", control_lora(torch, root))
         # A Flux LoRA on img_in alone, and the same file widened by hand to the inputs a control LoRA gives img_in.
-        g = torch.Generator().manual_seed(13)
-        img_in = {"lora_unet_img_in.lora_down.weight": torch.randn(8, 64, generator=g) * 0.1,
-                  "lora_unet_img_in.lora_up.weight": torch.randn(root.diffusion_model.img_in.weight.shape[0], 8,
-                                                                 generator=g) * 0.05,
-                  "lora_unet_img_in.alpha": torch.tensor(4.0)}
-        self.files["img_in"] = self.write("flux_img_in.safetensors", img_in)
-        self.adapters["img_in"] = self.cache.load(self.files["img_in"], name="flux_img_in.safetensors",
-                                                  convert=comfy.lora_convert.convert_lora, convert_id="comfy")
-        down = img_in["lora_unet_img_in.lora_down.weight"]
-        self.img_in_for_control = self.write("flux_img_in_128.safetensors", {
-            **img_in, "lora_unet_img_in.lora_down.weight": torch.cat([down, torch.zeros_like(down)], dim=1)})
+        img_in = img_in_lora(torch, root, 13)
+        self.files["img_in"], self.adapters["img_in"] = self.load("flux_img_in.safetensors", img_in)
+        self.img_in_for_control = self.write("flux_img_in_128.safetensors", widened_by_hand(
+            torch, img_in, "lora_unet_img_in.lora_down.weight", 128))
         inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
         self.cond = {"pooled_output": inputs["y"], "guidance": 3.5}
         self.context = inputs["context"]
@@ -137,6 +142,12 @@ class Run:
         save_file(sd, path)
         return path
 
+    def load(self, name: str, sd: dict):
+        """The file `sd` written as `name`, and its adapter from the engine's cache as nodes/bridge.py loads it."""
+        path = self.write(name, sd)
+        return path, self.cache.load(path, name=name, convert=self.comfy.lora_convert.convert_lora,
+                                     convert_id="comfy")
+
     def sample(self, model, **cond):
         positive = [[self.context, {**self.cond, **cond}]]
         out = self.comfy.sample.sample(model, self.noise, 2, 1.0, "euler", "simple", positive, positive, self.latent,
@@ -147,6 +158,12 @@ class Run:
         sd = self.comfy.utils.load_torch_file(path, safe_load=True)
         return self.comfy.sd.load_lora_for_models(model, None, sd, strength, 0)[0]
 
+    def stock_stack(self, model):
+        """The stack's files on `model`, one stock load each, in stack order."""
+        for layout, strength in ENTRIES:
+            model = self.stock(model, self.files[layout], strength)
+        return model
+
     def ours(self, model, layouts, strengths, shaping=None):
         k = len(layouts)
         return self.bridge.apply_stack(model, None, [self.adapters[lay] for lay in layouts], list(strengths),
@@ -154,15 +171,13 @@ class Run:
 
     def clones(self) -> dict:
         from lora_engine.schedule import Schedule
-        layouts, strengths = [lay for lay, _ in ENTRIES], [s for _, s in ENTRIES]
+        layouts, strengths = zip(*ENTRIES)
         s = {"base": self.sample(self.base)}
         ours = self.ours(self.base, layouts, strengths)
         s["ours"] = self.sample(ours)
         ours_fresh = ours.clone(force_deepcopy=True)
         s["ours_fresh"] = self.sample(ours_fresh)
-        stock = self.base
-        for layout, strength in ENTRIES:
-            stock = self.stock(stock, self.files[layout], strength)
+        stock = self.stock_stack(self.base)
         s["stock"] = self.sample(stock)
         s["stock_fresh"] = self.sample(stock.clone(force_deepcopy=True))
         shaping = [self.bridge.Shaping(schedule=Schedule.parse(SCHEDULE))] + [None] * (len(layouts) - 1)
@@ -188,20 +203,17 @@ class Run:
         cond = {"concat_latent_image": self.control_latent}
         control = self.stock(self.base, self.control_path, 1.0)
         s = {"base": self.sample(self.base, **cond), "control": self.sample(control, **cond)}
-        stock = control
-        for layout, strength in ENTRIES:
-            stock = self.stock(stock, self.files[layout], strength)
+        stock = self.stock_stack(control)
+        layouts, strengths = zip(*ENTRIES)
         s["control_stock"] = self.sample(stock, **cond)
-        s["control_ours"] = self.sample(self.ours(control, *zip(*ENTRIES)), **cond)
+        s["control_ours"] = self.sample(self.ours(control, layouts, strengths), **cond)
         # The stack's LoRA on img_in, bound to the 64 inputs it has at the loader, runs where ComfyUI has widened
         # the weight to 128 for the control image: it reads the first 64, as the file widened by hand does.
         s["control_img_in_stock"] = self.sample(self.stock(stock, self.img_in_for_control, 1.0), **cond)
-        layouts, strengths = zip(*ENTRIES)
         s["control_img_in_ours"] = self.sample(self.ours(control, [*layouts, "img_in"], [*strengths, 1.0]), **cond)
         return {"control_refusal": refusal, "control_stock_max": s["control_stock"].abs().max().item(),
                 **diffs(s, ("control", "base"), ("control_stock", "control"), ("control_ours", "control_stock"),
                         ("control_img_in_stock", "control_stock"), ("control_img_in_ours", "control_img_in_stock"))}
-
 
     def fill(self) -> dict:
         from tools.comfy_inprocess import build_model
@@ -212,27 +224,17 @@ class Run:
         w = Writer(torch, dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {}),
                    torch.Generator().manual_seed(100), root.model_config.unet_config)
         self.fam.layouts["kohya"](w)
-        g = torch.Generator().manual_seed(9)
-        img_in = root.diffusion_model.img_in.weight
-        w.sd["lora_unet_img_in.lora_down.weight"] = torch.randn(8, 64, generator=g) * 0.1
-        w.sd["lora_unet_img_in.lora_up.weight"] = torch.randn(img_in.shape[0], 8, generator=g) * 0.05
-        w.sd["lora_unet_img_in.alpha"] = torch.tensor(4.0)
-        return self.widened(model, "fill", w.sd, "lora_unet_img_in.lora_down.weight", img_in.shape[1],
+        w.sd.update(img_in_lora(torch, root, 9))
+        return self.widened(model, "fill", w.sd, "lora_unet_img_in.lora_down.weight",
+                            root.diffusion_model.img_in.weight.shape[1],
                             lambda m: self.sample(m, concat_latent_image=self.control_latent))
 
     def widened(self, model, tag: str, sd: dict, down_key: str, inputs: int, run) -> dict:
         """The outputs `run(patcher)` of the base model, the stack, and stock loads of the file `sd` widened by hand
         and as it is, where `sd[down_key]` is an A for fewer than the layer's `inputs`; and the file's match
         report."""
-        torch, comfy = self.torch, self.comfy
-        plain = self.write(f"{tag}_plain.safetensors", sd)
-        padded = dict(sd)
-        down = padded[down_key]
-        extra_inputs = inputs - down.shape[1]
-        padded[down_key] = torch.cat([down, down.new_zeros(down.shape[0], extra_inputs, *down.shape[2:])], dim=1)
-        padded_path = self.write(f"{tag}_padded.safetensors", padded)
-        adapter = self.cache.load(plain, name=f"{tag}_plain.safetensors", convert=comfy.lora_convert.convert_lora,
-                                  convert_id="comfy")
+        plain, adapter = self.load(f"{tag}_plain.safetensors", sd)
+        padded_path = self.write(f"{tag}_padded.safetensors", widened_by_hand(self.torch, sd, down_key, inputs))
         out = {f"{tag}_base": run(model),
                f"{tag}_ours": run(self.bridge.apply_stack(model, None, [adapter], [1.0], [0.0], 1)[0]),
                f"{tag}_padded": run(self.stock(model, padded_path, 1.0)),

@@ -130,8 +130,8 @@ def stock_model_only(server, ours, kind: str, strength: float = 0.8) -> np.ndarr
 
 def fused_vs_bypass(server, ours) -> tuple[np.ndarray, np.ndarray]:
     """One LoRA, model only, through ComfyUI's fused loader and through its bypass loader."""
-    return stock_model_only(server, ours, "LoraLoaderModelOnly"), stock_model_only(server, ours,
-                                                                                   "LoraLoaderBypassModelOnly")
+    fused = stock_model_only(server, ours, "LoraLoaderModelOnly")
+    return fused, stock_model_only(server, ours, "LoraLoaderBypassModelOnly")
 
 
 def model_only(ours):
