@@ -18,7 +18,9 @@ adapters at rank 32:
 - the activation cost for adapters already in the warm cache;
 - a stack grown by one entry: the (k+1)-th adapter into a bank of k slots, grown in
   place (the k resident adapters' rows copied on the device), against a new bank of
-  k+1 slots that copies every adapter from the host (--grow k; 0 skips it).
+  k+1 slots that copies every adapter from the host (--grow k; 0 skips it);
+- per-item strengths on a batch (--grid items), against one shared strength per adapter, and
+  what setting a conditioning's strengths costs per model call (`SlotBank.set_items`).
 
 Step times are paired: each round runs base, ours, bare and one-live once, in turn, and
 each ratio is the median of the per-round ratios, so load from other jobs moves both
@@ -240,11 +242,20 @@ def per_item_line(model, chosen, items: int, tokens: int, device, dtype, repeat:
                 "per_item": lambda: bank.activate(per_item)}
     with torch.inference_mode():
         steps = paired(variants, lambda: model(x), device, repeat, before=lambda: None)
+    # A conditioning's strengths (LoRAConditioningStrengths) are set per model call: here two tables alternate whose
+    # zero patterns differ, as a sampler's regions and its negative would.
+    bank.activate(shared)
+    tables = [{a: [float(i % 2 == j) for i in range(items)] for a in chosen} for j in (0, 1)]
+    turn = iter(range(1 << 30))
+    per_call = timed(lambda: bank.set_items(tables[next(turn) % 2]), device, 20 * repeat)
+    layers = len(bank.layers)
     bank.release()
     ratio = statistics.median(p / s for p, s in zip(steps["per_item"]["times"], steps["shared"]["times"]))
     return (f"\nper-item strengths, k={len(chosen)}, batch {items} x {tokens} tokens: shared {steps['shared']['ms']:.1f} ms "
             f"({steps['shared']['ratio']:.3f}x base), per item {steps['per_item']['ms']:.1f} ms "
-            f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x wall")
+            f"({steps['per_item']['ratio']:.3f}x base); per item / shared {ratio:.3f}x wall\n"
+            f"conditioning strengths: set per model call in {per_call * 1e3:.3f} ms ({layers} layers; two tables "
+            "of different zero patterns in turn)")
 
 
 def mixed_line(model, x, tmp: str, ranks: list[int], device, dtype, repeat: int) -> str:

@@ -73,6 +73,11 @@ class ShapingError(LoRAError, ValueError):
     """A malformed schedule or block-weight vector, or one that does not fit the model."""
 
 
+class ConditioningStrengthError(LoRAError, ValueError):
+    """LoRA strengths set on a conditioning that cannot be applied: no runtime stack on the model sampled, none of
+    the LoRAs they name in its stack, or a batch laid out otherwise than the host lays out conditionings."""
+
+
 SHOWN = 80  # characters of a value that an error message repeats
 
 

@@ -20,6 +20,8 @@ After every change the bank tells each layer which of its slots are live.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -39,6 +41,18 @@ from .schedule import Schedule
 
 Strength = float | Sequence[float] | torch.Tensor
 LayerWeights = Mapping[str, float]  # layer name -> multiplier; a layer left out has 1
+
+
+def _state_writes(method):
+    """A `SlotBank` method that makes or writes its tensors, run outside `torch.inference_mode` and without autograd:
+    the tensors it makes are then ordinary ones, which take in-place writes in either mode. One made under
+    inference mode (a bank first used in a sampling; ComfyUI runs nodes so) would refuse them outside it (a later
+    activation with autograd on, as a training node runs its model)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+    return run
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,7 @@ class SlotBank:
 
     BINDINGS_KEPT = 4  # bindings kept for adapters that are not resident
 
+    @_state_writes
     def __init__(self, root: nn.Module, *, max_loras: int = 4, keymap: KeyMap | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  model_name: str | None = None, weight_fn=None, slot_rank: int = 0):
@@ -92,6 +107,9 @@ class SlotBank:
         self._item_strengths: torch.Tensor | None = None
         self.scale = self._strengths
         self._table = torch.zeros(max_loras)  # unscheduled strengths on the host, [N] or [batch, N]
+        self._call_table: torch.Tensor | None = None  # `set_items`: [batch, N], in place of the table until reset
+        self._per_item = False  # the activation gave per-item strengths, schedules or layer weights
+        self._seen: torch.Tensor | None = None  # [N]: each slot's largest |strength| since `set_items` began
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
         self._live_key: bytes | None = None  # the zero pattern the layers' live slots were found for
@@ -121,6 +139,7 @@ class SlotBank:
             bank.grow(kwargs.get("max_loras", 4))
         return bank
 
+    @_state_writes
     def grow(self, max_loras: int) -> None:
         """At least `max_loras` slots. The resident adapters keep their slots and strengths: each layer's buffers
         are reallocated in turn, on the device, with the rows held copied there (so at most one layer's old and
@@ -145,6 +164,7 @@ class SlotBank:
             self._table = torch.cat([self._table, self._table.new_zeros(*self._table.shape[:-1], extra)], -1)
             self._strengths = torch.zeros(max_loras, dtype=self.dtype, device=self.device)
             self._item_strengths = None
+            self._call_table = self._seen = None
             if self._weights_key is not None:
                 self._set_layer_weights(*self._weights_key)
             self._live_key = None
@@ -177,6 +197,7 @@ class SlotBank:
 
     # -- activation ------------------------------------------------------------------------------------
 
+    @_state_writes
     def activate(self, entries: Iterable[Entry | tuple[Adapter, Strength]]) -> Activation:
         """Make exactly these adapters active, at these strengths. All-or-nothing: a bad adapter
         raises before any slot changes."""
@@ -219,6 +240,8 @@ class SlotBank:
             weights = {slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
                        if e.layer_weights is not None}
             weights_key = (weights, batch if weights else None)
+            self._per_item = batch is not None or any(isinstance(v, tuple) for v in
+                                                      (*self._schedules.values(), *weights.values()))
             if copied or weights_key != self._weights_key:  # a newcomer may have brought new layers
                 self._set_layer_weights(weights, batch)
                 self._weights_key = weights_key
@@ -233,6 +256,7 @@ class SlotBank:
             self.bytes_copied += nbytes
             return Activation(tuple(copied), tuple(kept), tuple(released), nbytes)
 
+    @_state_writes
     def set_progress(self, progress: float) -> None:
         """Apply every slot's schedule at this sampling progress (0…1): a tensor write, or nothing when
         no slot has a schedule or the progress is unchanged."""
@@ -243,6 +267,46 @@ class SlotBank:
             self.progress = progress
             self._push()
 
+    @_state_writes
+    def set_items(self, rows: Mapping[Adapter, Sequence[float | None]] | None) -> None:
+        """Per-item strengths for the calls that follow: each adapter of `rows` takes one strength per item of the
+        batch (None: its activation's strength for that item), every other resident adapter its activation's
+        strength on every item. `None` goes back to the activation's strengths, as does the next activation.
+        Schedules and layer weights shape these strengths as they shape the activation's. A tensor write, skipped
+        when the strengths are those already set; nothing is copied or bound. A slot live (not 0) in any table set
+        since the activation stays live, computing exact zeros where its strength is 0: calls that alternate
+        between tables (a sampler's regions, then its negative) find no layer's live slots again. Refused (a
+        `ShapingError`) where the activation itself gave per-item values (a strength grid's batch)."""
+        with self.lock:
+            if rows is None:
+                if self._call_table is not None:
+                    self._call_table = None
+                    self._push()  # the slots live in the tables set stay live: the next call may set them again
+                return
+            if self._per_item or self._table.dim() == 2:
+                raise ShapingError("this model's LoRAs already have per-item strengths (a strength grid); "
+                                   "per-item strengths of another source cannot be set on top of them",
+                                   remedy="sample the grid without them, or them without the grid")
+            given = [float(v) for values in rows.values() for v in values if v is not None]
+            if not all(math.isfinite(v) for v in given):
+                raise NonFiniteError("a per-item strength is NaN or Inf", remedy="use finite strengths")
+            columns = {self._slot_of(a): [math.nan if v is None else float(v) for v in values]
+                       for a, values in rows.items()}
+            batch = {len(v) for v in columns.values()}
+            if len(batch) != 1 or 0 in batch:
+                raise LoRAShapeError(f"per-item strengths of different lengths ({sorted(batch)})")
+            table = self._table.expand(batch.pop(), self.max_loras).clone()
+            for slot, values in columns.items():
+                v = torch.tensor(values)
+                table[:, slot] = torch.where(v.isnan(), table[:, slot], v)
+            if self._call_table is not None and torch.equal(table, self._call_table):
+                return
+            if self._seen is None:
+                self._seen = self._table.abs()
+            self._call_table = table
+            self._push()
+
+    @_state_writes
     def set_strength(self, adapter: Adapter, value: Strength) -> None:
         """Change one resident adapter's strength: a tensor write, nothing else."""
         with self.lock:
@@ -283,6 +347,7 @@ class SlotBank:
             if self.root.__dict__.get("_lora_engine_bank") is self:
                 del self.root.__dict__["_lora_engine_bank"]
 
+    @_state_writes
     def to(self, device: torch.device) -> None:
         with self.lock:
             for layer in self.layers.values():
@@ -334,6 +399,7 @@ class SlotBank:
             if was is not now:
                 table[..., i] = 0.0
         self._table = table
+        self._call_table = self._seen = None
         self._live_key = None
         self._push()
 
@@ -356,6 +422,7 @@ class SlotBank:
         for i, v in table.items():
             values[..., i] = v
         self._table = values
+        self._call_table = self._seen = None
         self.progress = 0.0
         self._push()
 
@@ -374,8 +441,9 @@ class SlotBank:
         return mult
 
     def _push(self) -> None:
-        """Write the strengths times the schedules' multipliers into the device scale tensor."""
-        values = self._table
+        """Write the strengths (`set_items`' where set) times the schedules' multipliers into the device scale
+        tensor."""
+        values = self._table if self._call_table is None else self._call_table
         mult = self._multipliers()
         if mult is not None:
             values = values * mult
@@ -390,6 +458,9 @@ class SlotBank:
         self.all_zero = not bool(values.any())
         self._columns = {}
         self.generation += 1
+        if self._seen is not None:  # `set_items`' tables: the slots live in any of them stay live
+            self._seen = torch.maximum(self._seen, values.abs().amax(0) if values.dim() == 2 else values.abs())
+            values = self._seen
         self._refresh_live(values)
 
     def column_scale(self, rows: Rows) -> torch.Tensor:

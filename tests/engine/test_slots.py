@@ -148,6 +148,89 @@ def test_per_item_strengths_tile_over_stacked_chunks(adapters):
     assert (stacked[1] - solo([(a, 0.9)], x[1:2])[0]).abs().max() <= TOL
 
 
+def test_set_items_gives_each_item_its_strengths_until_reset(adapters):
+    """`set_items` (a conditioning's strengths, one call at a time): the adapters it names take per-item strengths,
+    None an item's activation strength, the others their activation strengths; None restores them all."""
+    a, b, c = adapters[:3]
+    x = lf.tiny_input(batch=1).repeat(3, 1, 1, 1)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=3)
+    bank.activate([(a, 0.7), (b, 0.0), (c, -0.4)])
+    shared = run(model, x)
+    bank.set_items({a: [None, 0.0, 1.5], b: [1.0, None, 0.25]})
+    per_item = run(model, x)
+    for i, strengths in enumerate([(0.7, 1.0), (0.0, 0.0), (1.5, 0.25)]):
+        want = solo([(a, strengths[0]), (b, strengths[1]), (c, -0.4)], x[i:i + 1])[0]
+        assert (per_item[i] - want).abs().max() <= TOL
+    assert (per_item[0] - shared[0]).abs().max() > 1e-3  # b's part: the check can fail
+    bank.set_items({a: [None, 0.0, 1.5], b: [1.0, None, 0.25]})  # the same strengths again: nothing to write
+    assert torch.equal(run(model, x), per_item)
+    bank.set_items(None)
+    assert torch.equal(run(model, x), shared)
+    bank.set_items({c: [0.0, 0.0]})  # another batch size: a two-item call
+    assert (run(model, x[:2]) - solo([(a, 0.7)], x[:2])).abs().max() <= TOL
+
+
+def test_alternating_item_tables_keep_the_layers_rows(adapters):
+    """Calls that alternate between tables of other zero patterns (a sampler's regions, then its negative) keep
+    every slot live that one of them uses, so no layer packs its rows again; the slot at 0 adds exact zeros."""
+    a, b = adapters[:2]
+    x = lf.tiny_input(batch=2)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, 0.0), (b, 0.9)])
+    tables = [{a: [1.0, 0.0]}, None, {a: [0.0, 0.5], b: [0.0, 0.0]}]
+    wants = [[[(a, 1.0), (b, 0.9)], [(b, 0.9)]], [[(b, 0.9)]] * 2, [[(b, 0.0)], [(a, 0.5)]]]
+    rows = None
+    for _ in range(2):
+        for table, want in zip(tables, wants):
+            bank.set_items(table)
+            out = run(model, x)
+            for i, strengths in enumerate(want):
+                assert (out[i] - solo(strengths, x[i:i + 1])[0]).abs().max() <= TOL
+            now = {name: layer.rows for name, layer in bank.layers.items()}
+            assert rows is None or all(now[n] is rows[n] for n in now)
+            rows = now
+    bank.activate([(a, 0.0), (b, 0.9)])  # a new activation: the slot at 0 is cut again
+    assert all(layer.rows is None or layer.rows.key[0][0] == 1 for layer in bank.layers.values())
+
+
+def test_set_items_lasts_until_the_next_activation_and_follows_the_schedule(adapters):
+    from lora_engine import Schedule
+    from lora_engine.slots import Entry
+    a, b = adapters[:2]
+    x = lf.tiny_input(batch=2)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([Entry(a, 1.0, Schedule.parse("0:0, 1:1")), (b, 0.5)])
+    bank.set_items({a: [0.8, None]})
+    bank.set_progress(0.5)
+    out = run(model, x)
+    assert (out[0] - solo([(a, 0.4), (b, 0.5)], x[:1])[0]).abs().max() <= TOL
+    assert (out[1] - solo([(a, 0.5), (b, 0.5)], x[1:])[0]).abs().max() <= TOL
+    bank.activate([(a, 1.0), (b, 0.5)])
+    assert (run(model, x) - solo([(a, 1.0), (b, 0.5)], x)).abs().max() <= TOL
+
+
+def test_set_items_is_refused_on_per_item_activations_and_bad_values(adapters):
+    from lora_engine import ShapingError
+    a, b = adapters[:2]
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, [0.0, 1.0]), (b, 1.0)])
+    with pytest.raises(ShapingError, match="already have per-item strengths"):
+        bank.set_items({b: [1.0, 0.0]})
+    bank.activate([(a, 1.0), (b, 1.0)])
+    with pytest.raises(LoRAShapeError, match="different lengths"):
+        bank.set_items({a: [1.0, 0.0], b: [1.0]})
+    with pytest.raises(NonFiniteError):
+        bank.set_items({a: [float("nan"), 0.0]})
+    with pytest.raises(KeyError, match="not resident"):
+        bank.set_items({adapters[2]: [1.0]})
+    x = lf.tiny_input()
+    assert (run(model, x) - solo([(a, 1.0), (b, 1.0)], x)).abs().max() <= TOL  # nothing was set
+
+
 def test_two_models_sharing_one_base_do_not_interfere(adapters):
     x = lf.tiny_input()
     base = lf.tiny()
@@ -757,3 +840,27 @@ def test_a_layer_that_computes_a_linear_without_deriving_from_it_is_bound(tmp_pa
     experts = LinearLike(torch.nn.Linear(4, 3))
     experts.weight = torch.nn.Parameter(torch.zeros(2, 3, 4))  # [experts, out, in]: not one Linear
     assert not bindable(experts)
+
+
+def test_strengths_set_under_inference_mode_can_change_outside_it(adapters):
+    """A bank first activated inside `torch.inference_mode` (ComfyUI runs its nodes so) takes newcomers, swaps and
+    new strengths, one per model or per item, with autograd on (as ComfyUI's training node runs its model): its
+    tensors are made outside that mode, where an inference tensor would refuse every in-place write."""
+    a, b = adapters[:2]
+    x = lf.tiny_input()
+    model = lf.tiny()
+    with torch.inference_mode():
+        bank = SlotBank(model, max_loras=2)
+        bank.activate([(a, 1.0), (b, [0.0, 0.5])])
+    bank.activate([(a, 0.5), (b, [1.0, 0.0])])
+    assert (run(model, x)[0] - solo([(a, 0.5), (b, 1.0)], x[:1])[0]).abs().max() <= TOL
+    bank.activate([(a, 0.5), (b, 1.0)])
+    bank.set_items({a: [0.0, 1.0]})
+    assert (run(model, x)[1] - solo([(a, 1.0), (b, 1.0)], x[1:])[0]).abs().max() <= TOL
+    with torch.inference_mode():
+        bank.activate([(a, 0.5), (b, 1.0)])
+    bank.set_strength(b, 0.0)
+    assert (run(model, x) - solo([(a, 0.5)], x)).abs().max() <= TOL
+    c = adapters[2]
+    bank.activate([(c, 0.7)])  # a swap: a slot released, a newcomer written into it
+    assert (run(model, x) - solo([(c, 0.7)], x)).abs().max() <= TOL
