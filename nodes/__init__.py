@@ -1,5 +1,6 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
+from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
 from .loader import MultiLoRALoader
@@ -10,6 +11,7 @@ from .stack import LoRAStack, LoRAStackFromJSON
 NODE_CLASS_MAPPINGS = {
     "DistillFuse": DistillFuse,
     "LoRABlockWeights": LoRABlockWeights,
+    "LoRAConditioningStrengths": LoRAConditioningStrengths,
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
     "LoRAStackFromJSON": LoRAStackFromJSON,
@@ -22,6 +24,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "DistillFuse": "DistillFuse (fuse a distilled LoRA once)",
     "LoRABlockWeights": "LoRA Block Weights (Multi-LoRA)",
+    "LoRAConditioningStrengths": "LoRA Strengths for Conditioning (Multi-LoRA)",
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",

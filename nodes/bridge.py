@@ -41,15 +41,18 @@ from lora_engine import (
 )
 from lora_engine.binding import no_match, unhookable_note, widened_note
 from lora_engine.blocks import BlockWeights, layer_weights, layout
-from lora_engine.errors import ShapingError
+from lora_engine.errors import ConditioningStrengthError, ShapingError
 from lora_engine.grid import GridError
 from lora_engine.schedule import Schedule, step_progress
 from lora_engine.slots import Entry, merge
 
+from . import cond_strengths
+from .cond_strengths import CondBatch
+
 log = logging.getLogger("multilora")
 
 INJECTION_KEY = "multilora"
-WRAPPER_KEY = "multilora_schedule"
+WRAPPER_KEY = "multilora"
 MAX_NAME = 1024
 
 
@@ -346,8 +349,9 @@ def current_stack(patcher) -> Stack | None:
 
 def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None):
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
-    it runs on (`StackInjection`). A stack with a schedule or with per-item strengths also gets a wrapper around
-    every model call (`ModelCallWrapper`)."""
+    it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
+    (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
+    preparation of each sampling (`ConditioningClaim`)."""
     before = _injection(patcher)
     prior = before.stack if before is not None else None
     merged = list(prior.entries) + entries if prior else entries
@@ -356,21 +360,23 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     merges = before.merges if before is not None else merge_patches(clone)
     clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), merges, root)])
     if kind == "unet":
-        clone.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+        wrappers = comfy.patcher_extension.WrappersMP
+        for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING):
+            clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)
         items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
-        if scheduled or items:
-            clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-                                       ModelCallWrapper(scheduled, items))
+        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
+        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, ConditioningClaim())
     return clone
 
 
 class ModelCallWrapper:
-    """An APPLY_MODEL wrapper. With a schedule, it sets the sampling progress of the called model's bank (the
-    executor's `class_obj`, the model the stack was injected into) from the call's sigma. With per-item
-    strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the call's
-    batch has that many items: a latent of another batch would otherwise spread the cells over the cond and
-    uncond chunks instead, and sample wrong images without an error."""
+    """An APPLY_MODEL wrapper on the called model's bank (the executor's `class_obj`, the model the stack was
+    injected into). It sets the call's conditioning strengths as per-item strengths (`cond_strengths`; without
+    them, the stack's own), taking their keyword out of the call. With a schedule, it sets the sampling progress
+    from the call's sigma. With per-item strengths (a LoRAStrengthGrid batch of `items` cells), it checks that
+    each condition's chunk of the call's batch has that many items: a latent of another batch would otherwise
+    spread the cells over the cond and uncond chunks instead, and sample wrong images without an error."""
 
     def __init__(self, scheduled: bool = True, items: int = 0):
         self.scheduled = scheduled
@@ -384,11 +390,61 @@ class ModelCallWrapper:
             raise GridError(f"this model holds per-item LoRA strengths for {self.items} grid cells, but it is "
                             f"sampled with {x.shape[0] // chunks} latent item(s) per condition; connect the latent "
                             "output of the same LoRAStrengthGrid to the sampler")
+        strengths = kwargs.pop(cond_strengths.KEY, None)
         root = executor.class_obj
         bank = root.__dict__.get("_lora_engine_bank")
-        if bank is not None and self.scheduled:
-            bank.set_progress(sampling_progress(root, t, transformer_options))
+        if bank is not None:
+            if isinstance(strengths, CondBatch):
+                bank.set_items(strengths.rows([a for a in bank.slots if a is not None], x.shape[0]))
+            else:
+                bank.set_items(None)
+            if self.scheduled:
+                bank.set_progress(sampling_progress(root, t, transformer_options))
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+
+class ConditioningClaim:
+    """A PREPARE_SAMPLING wrapper: before ComfyUI loads the model for a sampling, the conditionings that set LoRA
+    strengths are checked against the sampled model's stack, and every conditioning is claimed for it
+    (`cond_strengths.claim`). Refused: strengths on a LoRAStrengthGrid model (its batch items are grid cells), and
+    a conditioning whose LoRAs are all missing from the stack. A LoRA missing where others are found (a
+    conditioning for both experts of Wan 2.2, each with a stack of its own) is logged once."""
+
+    def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
+        strengths = cond_strengths.set_on(conds)
+        if strengths:
+            stack = current_stack(model)
+            entries = stack.entries if stack is not None else ()
+            if any(isinstance(v, tuple) for e in entries for v in (e.strength, e.schedule, e.layer_weights)):
+                raise ConditioningStrengthError(
+                    "this model comes from LoRAStrengthGrid, whose batch items are grid cells; a conditioning "
+                    "cannot set LoRA strengths for them", remedy="remove LoRAConditioningStrengths, or the grid")
+            held = list({id(e.adapter): e.adapter for e in entries}.values())
+            missing, lost = cond_strengths.unheld(strengths, held)
+            names = ", ".join(a.name for a in held) or "none"
+            if lost:
+                raise ConditioningStrengthError(
+                    f"a conditioning sets the strengths of {', '.join(lost)}, and none of them is in the stack of "
+                    f"the model being sampled (its LoRAs: {names})",
+                    remedy="add them to the model's MultiLoRALoader stack, at strength 0 to use one only where a "
+                           "conditioning sets it")
+            if missing and _note_once(("unheld", tuple(missing), names)):
+                log.warning("[MultiLoRA] conditioning strengths for %s left out: not in the stack of the model "
+                            "being sampled (its LoRAs: %s)", ", ".join(missing), names)
+            cond_strengths.claim(conds)
+        return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+_NOTED: set = set()
+
+
+def _note_once(key) -> bool:
+    """True the first time `key` is seen in this process."""
+    with _lock:
+        if key in _NOTED:
+            return False
+        _NOTED.add(key)
+        return True
 
 
 def sampling_progress(root, t, transformer_options: dict) -> float:

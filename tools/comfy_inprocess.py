@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,13 +82,24 @@ def import_comfy(root: Path, device: str):
     return comfy
 
 
+PACKAGE = "multilora_nodes"
+
+
 def import_bridge():
-    """nodes/bridge.py under another name: ComfyUI's own `nodes` module takes the name `nodes`."""
-    spec = importlib.util.spec_from_file_location("multilora_bridge", ROOT / "nodes" / "bridge.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    """nodes/bridge.py as `multilora_nodes.bridge`: ComfyUI's own `nodes` module takes the name `nodes`. The
+    package is the nodes/ folder without its __init__.py (which would import every node module), so that the
+    bridge's relative imports, and `import_node_module`, find the pack's other modules there."""
+    if PACKAGE not in sys.modules:
+        package = types.ModuleType(PACKAGE)
+        package.__path__ = [str(ROOT / "nodes")]
+        sys.modules[PACKAGE] = package
+    return importlib.import_module(f"{PACKAGE}.bridge")
+
+
+def import_node_module(name: str):
+    """One of the pack's node modules (`conditioning`, `stack`, …), next to the bridge of `import_bridge`."""
+    import_bridge()
+    return importlib.import_module(f"{PACKAGE}.{name}")
 
 
 def build_model(comfy, torch, unet_config: dict, *, dtype, device, expect: str | None = None,

@@ -278,11 +278,16 @@ def diffs(samples: dict, *pairs: tuple[str, str]) -> dict:
     return {f"{a}_vs_{b}": (samples[a] - samples[b]).abs().max().item() for a, b in pairs}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str) -> argparse.Namespace:
+    """The command line of an in-process check: --comfy and --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy", help="ComfyUI folder; default $COMFYUI_PATH, else ~/comfy/ComfyUI")
     ap.add_argument("--out", help="also write the JSON object to this file")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = arguments(__doc__)
     from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
     comfy = import_comfy(find_comfy(args.comfy), "cpu")
     import torch
@@ -292,9 +297,14 @@ def main() -> int:
         run = Run(comfy, torch, bridge, folder)
         result = {**run.clones(), **run.control(), **run.fill(), **run.inpaint()}
         comfy.model_management.unload_all_models()
+    return emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> int:
+    """Print the result as one JSON line, and write it to `out` when given; the script's exit status."""
     print(json.dumps(result), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result) + "\n")
+    if out:
+        Path(out).write_text(json.dumps(result) + "\n")
     return 0
 
 

@@ -98,8 +98,8 @@ def test_nodes_are_registered_with_the_fixed_contract(server):
     assert info["LoRAStack"]["output"] == ["LORA_STACK"]
 
 
-PACK_NODES = ("DistillFuse", "LoRABlockWeights", "LoRAGridImage", "LoRAStack", "LoRAStackFromJSON", "LoRAStackRows",
-              "LoRAStrengthGrid", "LoRAStrengthSchedule", "MultiLoRALoader")
+PACK_NODES = ("DistillFuse", "LoRABlockWeights", "LoRAConditioningStrengths", "LoRAGridImage", "LoRAStack",
+              "LoRAStackFromJSON", "LoRAStackRows", "LoRAStrengthGrid", "LoRAStrengthSchedule", "MultiLoRALoader")
 
 
 @pytest.mark.parametrize("name", PACK_NODES)
