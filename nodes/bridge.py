@@ -315,7 +315,7 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
     another model (`CLIP.clone(disable_dynamic=True)`, as SetClipHooks asks): its stack stays on that `root`."""
 
     def __init__(self, stack: Stack, merges: int = 0, root=None):
-        super().__init__(self._inject, self._eject)
+        super().__init__(self._inject, self.deactivate)
         self.stack = stack
         self.merges = merges  # merge patches the model held when the stack was put on it
         self.root = root
@@ -328,10 +328,18 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         if not self.warned and merge_patches(patcher) > self.merges:
             self.warned = True
             log.warning(MERGE_WARNING)
-        bank = _bank(patcher, self._root(patcher), self.stack.kind, self.stack.slots)
-        bank.activate(self.stack.entries)
+        self.activate(patcher)
 
-    def _eject(self, patcher):
+    def activate(self, patcher):
+        """The stack active in the bank of the model `patcher` runs (made on its load device on first use)."""
+        _bank(patcher, self._root(patcher), self.stack.kind, self.stack.slots).activate(self.stack.entries)
+
+    def in_use(self, patcher) -> bool:
+        """A stack is active in that bank: injected by a clone ComfyUI holds loaded (this one, or another)."""
+        bank = self._root(patcher).__dict__.get("_lora_engine_bank")
+        return bank is not None and bank.active
+
+    def deactivate(self, patcher):
         bank = self._root(patcher).__dict__.get("_lora_engine_bank")
         if bank is not None:
             bank.deactivate()
@@ -351,7 +359,8 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
     it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
     (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
-    preparation of each sampling (`ConditioningClaim`)."""
+    preparation of each sampling (`PrepareSampling`: the slots made before the model loads, the conditionings
+    checked)."""
     before = _injection(patcher)
     prior = before.stack if before is not None else None
     merged = list(prior.entries) + entries if prior else entries
@@ -366,7 +375,7 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
         scheduled = any(e.schedule is not None for e in merged)
         items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
         clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
-        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, ConditioningClaim())
+        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling())
     return clone
 
 
@@ -403,36 +412,58 @@ class ModelCallWrapper:
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
 
-class ConditioningClaim:
-    """A PREPARE_SAMPLING wrapper: before ComfyUI loads the model for a sampling, the conditionings that set LoRA
-    strengths are checked against the sampled model's stack, and every conditioning is claimed for it
-    (`cond_strengths.claim`). Refused: strengths on a LoRAStrengthGrid model (its batch items are grid cells), and
-    a conditioning whose LoRAs are all missing from the stack. A LoRA missing where others are found (a
-    conditioning for both experts of Wan 2.2, each with a stack of its own) is logged once."""
+class PrepareSampling:
+    """A PREPARE_SAMPLING wrapper, run before ComfyUI loads the model for a sampling.
+
+    The conditionings that set LoRA strengths are checked against the sampled model's stack, and every
+    conditioning is claimed for it (`cond_strengths.claim`). Refused: strengths on a LoRAStrengthGrid model (its
+    batch items are grid cells), and a conditioning whose LoRAs are all missing from the stack. A LoRA missing
+    where others are found (a conditioning for both experts of Wan 2.2, each with a stack of its own) is logged
+    once.
+
+    Then, where no other clone's stack is active in the model's bank (a clone ComfyUI holds loaded, which its next
+    sampling would run without injecting again), the stack is activated, so that its slots exist on the load
+    device when ComfyUI measures the free memory there and decides how much of the model to load (its classic
+    loader places weights up to that free memory less what inference needs). Activated only by the injection,
+    inside that load, a new bank's slots were made after the decision. The injection then finds the stack active
+    and copies nothing; where the load fails before it injects, the stack is deactivated again."""
 
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
         strengths = cond_strengths.set_on(conds)
         if strengths:
-            stack = current_stack(model)
-            entries = stack.entries if stack is not None else ()
-            if any(isinstance(v, tuple) for e in entries for v in (e.strength, e.schedule, e.layer_weights)):
-                raise ConditioningStrengthError(
-                    "this model comes from LoRAStrengthGrid, whose batch items are grid cells; a conditioning "
-                    "cannot set LoRA strengths for them", remedy="remove LoRAConditioningStrengths, or the grid")
-            held = list({id(e.adapter): e.adapter for e in entries}.values())
-            missing, lost = cond_strengths.unheld(strengths, held)
-            names = ", ".join(a.name for a in held) or "none"
-            if lost:
-                raise ConditioningStrengthError(
-                    f"a conditioning sets the strengths of {', '.join(lost)}, and none of them is in the stack of "
-                    f"the model being sampled (its LoRAs: {names})",
-                    remedy="add them to the model's MultiLoRALoader stack, at strength 0 to use one only where a "
-                           "conditioning sets it")
-            if missing and _note_once(("unheld", tuple(missing), names)):
-                log.warning("[MultiLoRA] conditioning strengths for %s left out: not in the stack of the model "
-                            "being sampled (its LoRAs: %s)", ", ".join(missing), names)
+            check_strengths(strengths, current_stack(model))
             cond_strengths.claim(conds)
-        return executor(model, noise_shape, conds, *args, **kwargs)
+        injection = _injection(model)
+        early = injection is not None and not injection.in_use(model)
+        if early:
+            injection.activate(model)
+        try:
+            return executor(model, noise_shape, conds, *args, **kwargs)
+        except BaseException:
+            if early and not model.is_injected:
+                injection.deactivate(model)
+            raise
+
+
+def check_strengths(strengths: list, stack: Stack | None) -> None:
+    """Conditioning strengths against the stack of the model they are sampled on (`PrepareSampling`)."""
+    entries = stack.entries if stack is not None else ()
+    if any(isinstance(v, tuple) for e in entries for v in (e.strength, e.schedule, e.layer_weights)):
+        raise ConditioningStrengthError(
+            "this model comes from LoRAStrengthGrid, whose batch items are grid cells; a conditioning "
+            "cannot set LoRA strengths for them", remedy="remove LoRAConditioningStrengths, or the grid")
+    held = list({id(e.adapter): e.adapter for e in entries}.values())
+    missing, lost = cond_strengths.unheld(strengths, held)
+    names = ", ".join(a.name for a in held) or "none"
+    if lost:
+        raise ConditioningStrengthError(
+            f"a conditioning sets the strengths of {', '.join(lost)}, and none of them is in the stack of "
+            f"the model being sampled (its LoRAs: {names})",
+            remedy="add them to the model's MultiLoRALoader stack, at strength 0 to use one only where a "
+                   "conditioning sets it")
+    if missing and _note_once(("unheld", tuple(missing), names)):
+        log.warning("[MultiLoRA] conditioning strengths for %s left out: not in the stack of the model "
+                    "being sampled (its LoRAs: %s)", ", ".join(missing), names)
 
 
 _NOTED: set = set()

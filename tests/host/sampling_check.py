@@ -23,6 +23,8 @@ loader (TorchCompileModel on CUDA), `clone(force_deepcopy=True)` on any device (
     sched         ours with a schedule `0:0, 1:1` on the first entry (the wrapper sets the progress per step)
     sched_fresh   sched.clone(force_deepcopy=True)
     base_after    base again, after all of them
+    bank_at_load  the bank of another fresh clone of ours, as ComfyUI's load_models_gpu finds it in its sampling:
+                  the stack is activated before ComfyUI measures the free memory for the load
 
 A control LoRA. BFL's Flux Canny / Depth LoRAs widen img_in to take the control image's latent too, which the
 runtime path cannot do; the engine refuses such a file, and the remedy it names is a stock LoraLoaderModelOnly
@@ -154,6 +156,25 @@ class Run:
                                        disable_pbar=True, seed=7)
         return out.float()
 
+    def at_load(self, model) -> dict | None:
+        """The bank of `model`'s own model as ComfyUI's `load_models_gpu` finds it when a sampling of `model` loads
+        it (a pass-through wrapper around ComfyUI's function records it): None where it has none yet."""
+        mm = self.comfy.model_management
+        original, seen = mm.load_models_gpu, []
+
+        def recording(*args, **kwargs):
+            bank = model.model.__dict__.get("_lora_engine_bank")
+            seen.append(None if bank is None else {"active": bank.active,
+                                                   "slots": [a.name for a in bank.slots if a is not None]})
+            return original(*args, **kwargs)
+
+        mm.load_models_gpu = recording
+        try:
+            self.sample(model)
+        finally:
+            mm.load_models_gpu = original
+        return seen[0]
+
     def stock(self, model, path: str, strength: float):
         sd = self.comfy.utils.load_torch_file(path, safe_load=True)
         return self.comfy.sd.load_lora_for_models(model, None, sd, strength, 0)[0]
@@ -187,6 +208,7 @@ class Run:
         s["sched_fresh"] = self.sample(sched_fresh)
         s["base_after"] = self.sample(self.base)
         return {"fresh_models": [ours_fresh.model is not ours.model, sched_fresh.model is not sched.model],
+                "bank_at_load": self.at_load(ours.clone(force_deepcopy=True)),
                 "stock_max": s["stock"].abs().max().item(),
                 **diffs(s, ("ours", "stock"), ("base", "stock"), ("ours_fresh", "ours"),
                         ("ours_fresh", "stock_fresh"), ("stock_fresh", "stock"), ("sched", "ours"),

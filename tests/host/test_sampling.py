@@ -57,6 +57,13 @@ def test_a_clone_with_a_model_of_its_own_samples_with_the_stack(result, measure)
     assert result[measure] <= tol(result), f"{measure} = {result[measure]:.3g} > tolerance {tol(result):.3g}"
 
 
+def test_the_stack_holds_its_slots_before_comfyui_loads_the_model(result):
+    """ComfyUI decides how much of a model to load from the free memory it measures in load_models_gpu: the slots
+    of a model that has none yet are made before that, with the stack active in them."""
+    assert result["bank_at_load"] == {"active": True, "slots": ["flux_kohya.safetensors",
+                                                                "flux_diffusers.safetensors"]}
+
+
 def test_the_base_model_is_left_as_it_was(result):
     assert result["base_after_vs_base"] == 0.0
 
