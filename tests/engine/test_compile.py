@@ -109,3 +109,20 @@ def test_dense_path_adapters_recompile_only_when_their_number_changes(tmp_path):
     bank.activate([(lora, 0.5), (h1, -0.4), (diff, 0.6)])  # two dense deltas per layer, and bias diffs
     check()
     assert counter.frame_count == 2
+
+
+def test_item_tables_compile_once_more_then_alternate_without_recompiling(tmp_path):
+    """A conditioning's strengths (`set_items`) turn the scale from one value per slot into one per item: one more
+    graph; tables that alternate, and going back to the activation's strengths, compile none again."""
+    torch._dynamo.reset()
+    model = lf.tiny()
+    a, b = (load_adapter(lf.write(tmp_path, f"{n}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)),
+                         name=n) for i, n in enumerate("ab"))
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, 0.0), (b, 0.3)])
+    counter, check = compiled_check(model)
+    check()
+    for rows in ({a: [1.0, 0.0]}, None, {a: [0.0, 0.5], b: [0.0, None]}, {a: [1.0, 0.0]}, None):
+        bank.set_items(rows)
+        check()
+    assert counter.frame_count == 2
