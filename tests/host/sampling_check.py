@@ -51,6 +51,8 @@ layer out (it logs a shape error). On ComfyUI's FluxInpaint, with the masked ima
 An SDXL inpainting UNet (the tiny SDXL of family_layouts.py with 9 input channels: the latent's 4, then the mask
 and the masked image) and a kohya LoCon of plain SDXL that reaches conv_in (4 inputs there), one forward of the
 diffusion model on the 9 channels each, as above: inpaint_base, inpaint_ours, inpaint_padded, inpaint_stock.
+Wan 2.1 image-to-video the same way (`wan_i2v_*`): its patch_embedding, a Conv3d, takes the noise latent's 16
+channels and the image's 20, and a LoRA of the text-to-video model reaches it with 16.
 
 The result is one JSON object of max-abs differences, the refusal's message and the match reports of the widened
 layers; test_sampling.py holds them to their bounds. This module imports neither torch nor ComfyUI at import time.
@@ -296,6 +298,37 @@ class Run:
         return self.widened(model, "inpaint", w.sd, "lora_unet_input_blocks_0_0.lora_down.weight", 9, run)
 
 
+    def wan_i2v(self) -> dict:
+        """Wan 2.1 image-to-video: patch_embedding (a Conv3d) takes the noise latent's 16 channels and the image's
+        20 after them; a LoRA of the text-to-video model (musubi-tuner's PEFT layout) that also reaches
+        patch_embedding, with 16 inputs there. One forward of the diffusion model on the 36 channels each."""
+        from tests.host.family_layouts import WAN_UNET, wan_inputs, wan_peft
+        from tools.comfy_inprocess import build_model
+        torch, comfy = self.torch, self.comfy
+        model = build_model(comfy, torch, {**WAN_UNET, "model_type": "i2v", "in_dim": 36}, dtype=torch.float32,
+                            device=torch.device("cpu"), expect="WAN21_I2V")
+        root = model.model
+        w = Writer(torch, dict(root.named_modules()), comfy.lora.model_lora_keys_unet(root, {}),
+                   torch.Generator().manual_seed(102), root.model_config.unet_config)
+        wan_peft(w)
+        g = torch.Generator().manual_seed(12)
+        dim = root.diffusion_model.patch_embedding.weight.shape[0]
+        down = "diffusion_model.patch_embedding.lora_A.weight"
+        w.sd[down] = torch.randn(4, 16, 1, 2, 2, generator=g) * 0.1
+        w.sd["diffusion_model.patch_embedding.lora_B.weight"] = torch.randn(dim, 4, 1, 1, 1, generator=g) * 0.1
+        w.sd["diffusion_model.patch_embedding.alpha"] = torch.tensor(4.0)
+        inputs = wan_inputs(torch, torch.Generator().manual_seed(1))
+        x = inputs["x"]
+        inputs["x"] = torch.cat([x, torch.randn(x.shape[0], 20, *x.shape[2:], generator=g)], dim=1)
+
+        def run(m):
+            comfy.model_management.load_models_gpu([m])
+            with torch.inference_mode():
+                return root.diffusion_model(**inputs).float()
+
+        return self.widened(model, "wan_i2v", w.sd, down, 36, run)
+
+
 def diffs(samples: dict, *pairs: tuple[str, str]) -> dict:
     return {f"{a}_vs_{b}": (samples[a] - samples[b]).abs().max().item() for a, b in pairs}
 
@@ -317,7 +350,7 @@ def main() -> int:
     bridge = import_bridge()
     with tempfile.TemporaryDirectory(prefix="multilora-sampling-") as folder:
         run = Run(comfy, torch, bridge, folder)
-        result = {**run.clones(), **run.control(), **run.fill(), **run.inpaint()}
+        result = {**run.clones(), **run.control(), **run.fill(), **run.inpaint(), **run.wan_i2v()}
         comfy.model_management.unload_all_models()
     return emit(result, args.out)
 
