@@ -3,18 +3,20 @@ LoRA that a stock loader applies, and LoRAs of plain models that reach the widen
 an SDXL inpainting UNet and of Wan 2.1 image-to-video.
 
 `sampling_check.py` runs once with ComfyUI's python (no server); its docstring lists the cases. Each is a 2-step
-Euler sample through `comfy.sample.sample` of a tiny Flux (for the inpainting UNet, one forward).
+Euler sample through `comfy.sample.sample` of a tiny Flux (for the inpainting UNet and Wan, one forward).
 
 Tolerance: as in test_families.py, REL_TOL of the output's magnitude. Ours against ComfyUI's fused path differs by
 the association of (W + s·ΔW)·x against W·x + s·B·(A·x). Measured: 1.9e-6 against max|sample| 9.1 (2e-7
 relative); 2.0e-6 after the control LoRA; against the file widened by hand, 1.4e-6 of 9.6 on Flux Fill, 2.7e-6
-of 1.04 on the inpainting UNet and 3.0e-7 of 0.75 on Wan image-to-video (a Conv3d). A fresh clone against the clone it came from runs the same weights and adapters
-(measured 0). Every effect a check relies on is at least BASE_MARGIN tolerances: the stack moves the sample by 1.1
-(0.86 after the control LoRA), the schedule by 0.012, the control LoRA by 2.4, and the input layer's part of the
-LoRA, which ComfyUI's LoraLoader leaves out, by 0.55 (Flux Fill), 0.72 (inpainting) and 0.46 (Wan). So each check can fail:
-before the injection bound to the patcher's own model, a fresh clone sampled the base model (1.1 off); with the
-schedule's progress set on the loader's model instead of the called one, 0.0073 off; a LoRA on img_in after the
-control LoRA (0.81 of effect) failed the sample with a shape error before the runtime read img_in's first inputs.
+of 1.04 on the inpainting UNet and 3.0e-7 of 0.75 on Wan image-to-video (a Conv3d). A fresh clone against the
+clone it came from runs the same weights and adapters (measured 0). Every effect a check relies on is at least
+BASE_MARGIN tolerances: the stack moves the sample by 1.1 (0.86 after the control LoRA), the schedule by 0.012,
+the control LoRA by 2.4, and the input layer's part of the LoRA, which ComfyUI's LoraLoader leaves out, by 0.55
+(Flux Fill), 0.72 (inpainting) and 0.46 (Wan). So each check can fail: before the injection bound to the
+patcher's own model, a fresh clone sampled the base model (1.1 off); with the schedule's progress set on the
+loader's model instead of the called one, 0.0073 off; a LoRA on img_in after the control LoRA (0.81 of effect)
+failed the sample with a shape error before the runtime read img_in's first inputs. Before a sampling activated
+the stack ahead of ComfyUI's load, a fresh clone's bank did not exist when load_models_gpu ran.
 """
 
 from __future__ import annotations
