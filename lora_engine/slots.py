@@ -108,7 +108,6 @@ class SlotBank:
         self.scale = self._strengths
         self._table = torch.zeros(max_loras)  # unscheduled strengths on the host, [N] or [batch, N]
         self._call_table: torch.Tensor | None = None  # `set_items`: [batch, N], in place of the table until reset
-        self._per_item = False  # the activation gave per-item strengths, schedules or layer weights
         self._seen: torch.Tensor | None = None  # [N]: each slot's largest |strength| since `set_items` began
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
@@ -127,14 +126,21 @@ class SlotBank:
 
     # -- sharing ---------------------------------------------------------------------------------------
 
+    ATTRIBUTE = "_lora_engine_bank"  # where a root module holds its bank (in its __dict__, not as a submodule)
+
+    @classmethod
+    def attached(cls, root: nn.Module) -> SlotBank | None:
+        """The bank attached to `root`, or None where it has none."""
+        return root.__dict__.get(cls.ATTRIBUTE)
+
     @classmethod
     def of(cls, root: nn.Module, **kwargs) -> SlotBank:
         """The bank attached to `root`, created on first use, grown in place when it has fewer than
         `max_loras` slots (`grow`); its other settings are those it was created with."""
-        bank = root.__dict__.get("_lora_engine_bank")
+        bank = cls.attached(root)
         if bank is None:
             bank = cls(root, **kwargs)
-            root.__dict__["_lora_engine_bank"] = bank
+            root.__dict__[cls.ATTRIBUTE] = bank
         else:
             bank.grow(kwargs.get("max_loras", 4))
         return bank
@@ -240,8 +246,6 @@ class SlotBank:
             weights = {slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
                        if e.layer_weights is not None}
             weights_key = (weights, batch if weights else None)
-            self._per_item = batch is not None or any(isinstance(v, tuple) for v in
-                                                      (*self._schedules.values(), *weights.values()))
             if copied or weights_key != self._weights_key:  # a newcomer may have brought new layers
                 self._set_layer_weights(weights, batch)
                 self._weights_key = weights_key
@@ -283,7 +287,7 @@ class SlotBank:
                     self._call_table = None
                     self._push()  # the slots live in the tables set stay live: the next call may set them again
                 return
-            if self._per_item or self._table.dim() == 2:
+            if self._per_item():
                 raise ShapingError("this model's LoRAs already have per-item strengths (a strength grid); "
                                    "per-item strengths of another source cannot be set on top of them",
                                    remedy="sample the grid without them, or them without the grid")
@@ -344,8 +348,8 @@ class SlotBank:
             self.active = False
             with _BANKS_LOCK:
                 _BANKS.discard(self)
-            if self.root.__dict__.get("_lora_engine_bank") is self:
-                del self.root.__dict__["_lora_engine_bank"]
+            if self.attached(self.root) is self:
+                del self.root.__dict__[self.ATTRIBUTE]
 
     @_state_writes
     def to(self, device: torch.device) -> None:
@@ -379,6 +383,12 @@ class SlotBank:
             }
 
     # -- internals -------------------------------------------------------------------------------------
+
+    def _per_item(self) -> bool:
+        """The strengths, a schedule or layer weights are one per batch item (a strength grid's activation)."""
+        weights = self._weights_key[0] if self._weights_key is not None else {}
+        return self._table.dim() == 2 or any(isinstance(v, tuple) for v in
+                                             (*self._schedules.values(), *weights.values()))
 
     def _resident(self, adapter: Adapter) -> bool:
         return any(a is adapter for a in self.slots)

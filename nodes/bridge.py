@@ -144,7 +144,7 @@ def load_loras(names: Sequence[str]) -> list[Adapter]:
 
 # -- key maps and banks ----------------------------------------------------------------------------------
 
-_logged: set[tuple[str, int]] = set()
+_logged: set[tuple] = set()
 _lock = threading.Lock()
 
 
@@ -190,7 +190,7 @@ def _bank(patcher, root, kind: str, slots: int) -> SlotBank:
 def _binding(adapter: Adapter, root, kind: str):
     """The adapter bound to `root`, from the model's bank when it has one (the bank keeps the bindings of
     its adapters: a slider move re-binds nothing); None when it matches no layer."""
-    bank, keymap = root.__dict__.get("_lora_engine_bank"), _keymap(root, kind)
+    bank, keymap = SlotBank.attached(root), _keymap(root, kind)
     try:
         if bank is not None and bank.keymap is keymap:
             return bank.binding(adapter)
@@ -257,12 +257,18 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=(
     return report
 
 
-def _log_once(adapter: Adapter, root, report: dict) -> None:
-    key = (adapter.fingerprint, id(root))
+def _first_time(key: tuple) -> bool:
+    """True the first time `key` is seen in this process: what is logged once."""
     with _lock:
         if key in _logged:
-            return
+            return False
         _logged.add(key)
+        return True
+
+
+def _log_once(adapter: Adapter, root, report: dict) -> None:
+    if not _first_time((adapter.fingerprint, id(root))):
+        return
     path = "dense" if report["low_rank"] == 0 and report["dense"] else (
         "mixed" if report["dense"] else "low-rank")
     line = (f"[MultiLoRA] {adapter.name}: {report['model_layers']} model + {report['clip_layers']} text-encoder "
@@ -336,11 +342,11 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
 
     def in_use(self, patcher) -> bool:
         """A stack is active in that bank: injected by a clone ComfyUI holds loaded (this one, or another)."""
-        bank = self._root(patcher).__dict__.get("_lora_engine_bank")
+        bank = SlotBank.attached(self._root(patcher))
         return bank is not None and bank.active
 
     def deactivate(self, patcher):
-        bank = self._root(patcher).__dict__.get("_lora_engine_bank")
+        bank = SlotBank.attached(self._root(patcher))
         if bank is not None:
             bank.deactivate()
 
@@ -401,7 +407,7 @@ class ModelCallWrapper:
                             "output of the same LoRAStrengthGrid to the sampler")
         strengths = kwargs.pop(cond_strengths.KEY, None)
         root = executor.class_obj
-        bank = root.__dict__.get("_lora_engine_bank")
+        bank = SlotBank.attached(root)
         if bank is not None:
             if isinstance(strengths, CondBatch):
                 bank.set_items(strengths.rows([a for a in bank.slots if a is not None], x.shape[0]))
@@ -429,11 +435,11 @@ class PrepareSampling:
     and copies nothing; where the load fails before it injects, the stack is deactivated again."""
 
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
+        injection = _injection(model)
         strengths = cond_strengths.set_on(conds)
         if strengths:
-            check_strengths(strengths, current_stack(model))
+            check_strengths(strengths, injection.stack if injection is not None else None)
             cond_strengths.claim(conds)
-        injection = _injection(model)
         early = injection is not None and not injection.in_use(model)
         if early:
             injection.activate(model)
@@ -461,21 +467,9 @@ def check_strengths(strengths: list, stack: Stack | None) -> None:
             f"the model being sampled (its LoRAs: {names})",
             remedy="add them to the model's MultiLoRALoader stack, at strength 0 to use one only where a "
                    "conditioning sets it")
-    if missing and _note_once(("unheld", tuple(missing), names)):
+    if missing and _first_time(("unheld", tuple(missing), names)):
         log.warning("[MultiLoRA] conditioning strengths for %s left out: not in the stack of the model "
                     "being sampled (its LoRAs: %s)", ", ".join(missing), names)
-
-
-_NOTED: set = set()
-
-
-def _note_once(key) -> bool:
-    """True the first time `key` is seen in this process."""
-    with _lock:
-        if key in _NOTED:
-            return False
-        _NOTED.add(key)
-        return True
 
 
 def sampling_progress(root, t, transformer_options: dict) -> float:

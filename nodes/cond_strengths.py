@@ -117,9 +117,15 @@ def conditionings(conds: dict) -> list[dict]:
     return [c for cs in conds.values() if isinstance(cs, list) for c in cs if isinstance(c, dict)]
 
 
+def value_in(model_conds: dict) -> CondStrengths | None:
+    """The strengths a conditioning's `model_conds` hold, or None."""
+    value = model_conds.get(KEY)
+    return value if isinstance(value, CondStrengths) else None
+
+
 def set_on(conds: dict) -> list[CondStrengths]:
     """The strengths the conditionings of `conds` set."""
-    return [s for c in conditionings(conds) if isinstance(s := c.get("model_conds", {}).get(KEY), CondStrengths)]
+    return [s for c in conditionings(conds) if (s := value_in(c.get("model_conds", {}))) is not None]
 
 
 def claim(conds: dict) -> None:
@@ -128,9 +134,7 @@ def claim(conds: dict) -> None:
     with ComfyUI's cached node outputs: it is replaced, never changed."""
     for cond in conditionings(conds):
         model_conds = cond.get("model_conds", {})
-        value = model_conds.get(KEY)
-        value = value if isinstance(value, CondStrengths) else KEEP
-        cond["model_conds"] = {**model_conds, KEY: replace(value, claimed=True)}
+        cond["model_conds"] = {**model_conds, KEY: replace(value_in(model_conds) or KEEP, claimed=True)}
 
 
 def unheld(strengths: Iterable[CondStrengths], held: Sequence[Adapter]) -> tuple[list[str], list[str]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import bridge
-from .cond_strengths import KEEP, KEY, CondStrengths, Named
+from .cond_strengths import KEEP, KEY, Named, value_in
 from .stack import CATEGORY, StackError, entries
 
 OTHERS = ("keep", "off")
@@ -53,8 +53,6 @@ class LoRAConditioningStrengths:
         out = []
         for embedding, values in conditioning:
             model_conds = values.get("model_conds", {})
-            before = model_conds.get(KEY)
-            before = before if isinstance(before, CondStrengths) else KEEP
-            strengths = before.with_entries(named, others_off=others == "off")
+            strengths = (value_in(model_conds) or KEEP).with_entries(named, others_off=others == "off")
             out.append([embedding, {**values, "model_conds": {**model_conds, KEY: strengths}}])
         return (out,)

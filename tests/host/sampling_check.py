@@ -161,11 +161,12 @@ class Run:
     def at_load(self, model) -> dict | None:
         """The bank of `model`'s own model as ComfyUI's `load_models_gpu` finds it when a sampling of `model` loads
         it (a pass-through wrapper around ComfyUI's function records it): None where it has none yet."""
+        from lora_engine import SlotBank
         mm = self.comfy.model_management
         original, seen = mm.load_models_gpu, []
 
         def recording(*args, **kwargs):
-            bank = model.model.__dict__.get("_lora_engine_bank")
+            bank = SlotBank.attached(model.model)
             seen.append(None if bank is None else {"active": bank.active,
                                                    "slots": [a.name for a in bank.slots if a is not None]})
             return original(*args, **kwargs)
