@@ -6,6 +6,7 @@ It uses ComfyUI's extension points only:
 - a `PatcherInjection` on the returned clone: when ComfyUI loads that clone, `inject`
   activates the clone's stack on the shared slot bank, and `eject` deactivates it. Two
   clones of one base share its weights and its bank, but each runs with its own stack.
+- an ON_DETACH callback on that clone: when ComfyUI unloads the model, the bank's slots are released.
 - `comfy.utils.ProgressBar` for long work.
 """
 
@@ -36,6 +37,7 @@ from lora_engine import (
     LoRANoMatchError,
     SlotBank,
     SlotLimitError,
+    all_banks,
     bind,
     default_cache,
 )
@@ -350,6 +352,56 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         if bank is not None:
             bank.deactivate()
 
+    def unloaded(self, patcher, unpatch_all: bool) -> None:
+        """An ON_DETACH callback. A detach that unpatches the model is ComfyUI unloading it (its memory manager
+        making room, "Unload models", `POST /free`); the stack's slots go with it, where they held device memory
+        that ComfyUI cannot free. A detach that keeps the patches is a switch to another clone of the same model
+        (a moved slider): the slots stay warm for it."""
+        if unpatch_all:
+            release_slots(self._root(patcher), "ComfyUI unloaded the model")
+
+
+def release_slots(root, why: str) -> None:
+    """Free the slots of the bank on `root`, unless a stack is active in it; the next activation makes a new bank
+    and copies its adapters from the process-wide cache (from pinned memory on CUDA)."""
+    bank = SlotBank.attached(root)
+    if bank is None or bank.active:
+        return
+    held = bank.occupancy()
+    bank.release()
+    loras = sum(s is not None for s in held["slots"])
+    log.info("[MultiLoRA] %s: released %s's slots (%d LoRA(s), %.1f MB on %s); they are copied again from the "
+             "cache when it next runs", why, held["model"], loras, held["bytes"] / 2**20, held["device"])
+
+
+def loaded_roots() -> set[int]:
+    """The ids of the modules that ComfyUI holds loaded: each loaded patcher's model, and the text encoder its stack
+    runs on (which a CLIP clone's patcher may not hold; `StackInjection`)."""
+    roots = set()
+    for lm in list(comfy.model_management.current_loaded_models):
+        patcher = lm.model
+        real = lm.real_model() if lm.real_model is not None else None
+        if real is not None:
+            roots.add(id(real))
+        if patcher is not None:
+            roots.add(id(patcher.model))
+            inj = _injection(patcher)
+            if inj is not None and inj.root is not None:
+                roots.add(id(inj.root))
+    return roots
+
+
+def release_unloaded(keep) -> None:
+    """Release the slots of every bank attached to a model that ComfyUI no longer holds loaded, other than `keep`.
+    A model is unloaded through the clone ComfyUI last loaded, which may be one without a stack (a second sampler
+    on the base model): its detach reaches no `StackInjection.unloaded`, and this catches it before the next
+    sampling loads a model."""
+    loaded = loaded_roots()
+    for bank in all_banks():
+        root = bank.root
+        if root is not keep and id(root) not in loaded and SlotBank.attached(root) is bank:
+            release_slots(root, "its model is no longer loaded")
+
 
 def _injection(patcher) -> StackInjection | None:
     injections = patcher.get_injections(INJECTION_KEY) or []
@@ -373,7 +425,11 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
-    clone.set_injections(INJECTION_KEY, [StackInjection(Stack(tuple(merged), slots, kind), merges, root)])
+    injection = StackInjection(Stack(tuple(merged), slots, kind), merges, root)
+    clone.set_injections(INJECTION_KEY, [injection])
+    detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
+    clone.remove_callbacks_with_key(detach, WRAPPER_KEY)
+    clone.add_callback_with_key(detach, WRAPPER_KEY, injection.unloaded)
     if kind == "unet":
         wrappers = comfy.patcher_extension.WrappersMP
         for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING):
@@ -427,6 +483,9 @@ class PrepareSampling:
     where others are found (a conditioning for both experts of Wan 2.2, each with a stack of its own) is logged
     once.
 
+    The slots of other models that ComfyUI has unloaded are released (`release_unloaded`), so that they are not
+    counted against the free memory this load measures.
+
     Then, where no other clone's stack is active in the model's bank (a clone ComfyUI holds loaded, which its next
     sampling would run without injecting again), the stack is activated, so that its slots exist on the load
     device when ComfyUI measures the free memory there and decides how much of the model to load (its classic
@@ -440,6 +499,7 @@ class PrepareSampling:
         if strengths:
             check_strengths(strengths, injection.stack if injection is not None else None)
             cond_strengths.claim(conds)
+        release_unloaded(keep=model.model)
         early = injection is not None and not injection.in_use(model)
         if early:
             injection.activate(model)

@@ -166,7 +166,8 @@ def test_set_items_gives_each_item_its_strengths_until_reset(adapters):
     bank.set_items({a: [None, 0.0, 1.5], b: [1.0, None, 0.25]})  # the same strengths again: nothing to write
     assert torch.equal(run(model, x), per_item)
     bank.set_items(None)
-    assert torch.equal(run(model, x), shared)
+    # b stays live at 0 (its rows join the GEMM and add exact zeros), so the sum may round otherwise than `shared`'s
+    assert (run(model, x) - shared).abs().max() <= TOL
     bank.set_items({c: [0.0, 0.0]})  # another batch size: a two-item call
     assert (run(model, x[:2]) - solo([(a, 0.7)], x[:2])).abs().max() <= TOL
 
