@@ -29,7 +29,8 @@ from lora_engine import AdapterCache, Entry, Schedule, SlotBank  # noqa: E402
 
 
 def write_loha(model: torch.nn.Module, path: str, rank: int, seed: int) -> None:
-    """A LyCORIS LoHa on every Linear: a dense-path adapter, whose ΔW each layer holds in full."""
+    """A LyCORIS LoHa on every Linear. At rank 64 its product has rank 4096, more than ΔW holds on these layers: a
+    dense-path adapter, whose ΔW each layer holds in full."""
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(seed)
     t = {}
@@ -73,7 +74,7 @@ def main() -> int:
     lohas = []
     for i in range(2):
         path = os.path.join(tmp, f"loha{i}.safetensors")
-        write_loha(model, path, 8, seed=100 + i)
+        write_loha(model, path, 64, seed=100 + i)
         lohas.append(cache.load(path))
     bank = SlotBank(model, max_loras=args.k, dtype=dtype, device=device)
     bank.activate([(a, 1.0) for a in held])

@@ -6,10 +6,11 @@
 #       parameters, bf16, 4096 image + 512 text tokens): ours against ComfyUI's fused and bypass
 #       paths, in under 8 minutes on an H200.
 #   bash bench/device_run.sh engine
-#       the engine alone, no ComfyUI needed, in about 3 minutes: bench/engine_bench.py on 4 Flux-shaped
-#       blocks at 4096 tokens (step overhead against bare GEMMs, strength change, warm activation,
-#       per-item strengths on a batch of 16), then bench/compile_bench.py (inductor graphs counted
-#       across adapter changes, compiled step against compiled base).
+#       the engine alone, no ComfyUI needed, in about 3 to 4 minutes: bench/engine_bench.py on 4
+#       Flux-shaped blocks at 4096 tokens (step overhead against bare GEMMs, strength change, warm
+#       activation, LoHa and LoKr products against their ΔW on the dense path, per-item strengths on a
+#       batch of 16), then bench/compile_bench.py (inductor graphs counted across adapter changes,
+#       compiled step against compiled base).
 #
 # It needs, inside the repository (both folders are git-ignored; bench/README.md has the commands
 # that make them on a machine with the ComfyUI checkout):
@@ -30,7 +31,7 @@ esac
 if [ "$MODE" = engine ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
     DIR=${OUT:-.}
-    timeout 150 "$PY" bench/engine_bench.py --device cuda --dtype bf16 --blocks 4 --tokens 4096 \
+    timeout 210 "$PY" bench/engine_bench.py --device cuda --dtype bf16 --blocks 4 --tokens 4096 \
         --grid 16 --grid-tokens 1024 "$@" 2>&1 | tee "$DIR/engine_cuda.txt"
     rc=${PIPESTATUS[0]}
     timeout 180 "$PY" bench/compile_bench.py --device cuda --dtype bf16 --tokens 4096 2>&1 \

@@ -20,7 +20,9 @@ adapters at rank 32:
   place (the k resident adapters' rows copied on the device), against a new bank of
   k+1 slots that copies every adapter from the host (--grow k; 0 skips it);
 - per-item strengths on a batch (--grid items), against one shared strength per adapter, and
-  what setting a conditioning's strengths costs per model call (`SlotBank.set_items`).
+  what setting a conditioning's strengths costs per model call (`SlotBank.set_items`);
+- a LyCORIS LoHa and LoKr (--lycoris rank), which run as the exact low-rank forms of their
+  products, against the same ΔW as a full diff on the dense path: step, activation, slot bytes.
 
 Step times are paired: each round runs base, ours, bare and one-live once, in turn, and
 each ratio is the median of the per-round ratios, so load from other jobs moves both
@@ -91,6 +93,86 @@ def write_adapter(model: nn.Module, path: str, rank: int, seed: int) -> None:
             t[p + ".lora_up.weight"] = (torch.randn(m.out_features, rank, generator=g) * 0.01).to(torch.bfloat16)
             t[p + ".alpha"] = torch.tensor(float(rank))
     save_file(t, path)
+
+
+def write_lycoris(model: nn.Module, path: str, kind: str, rank: int, seed: int) -> None:
+    """A LoHa (two rank-`rank` pairs) or a LoKr (w1 [f, f] full, f = 16 or less, and w2 of rank `rank`, LyCORIS's
+    usual split) on every Linear."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    t = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            p, o, i = "lora_unet_" + name.replace(".", "_"), m.out_features, m.in_features
+            if kind == "loha":
+                for j in (1, 2):
+                    t[f"{p}.hada_w{j}_a"], t[f"{p}.hada_w{j}_b"] = rand(o, rank), rand(rank, i)
+            else:
+                f = next(f for f in (16, 8, 4, 2, 1) if o % f == 0 and i % f == 0)
+                t[f"{p}.lokr_w1"], t[f"{p}.lokr_w2_a"], t[f"{p}.lokr_w2_b"] = rand(f, f), rand(o // f, rank), \
+                    rand(rank, i // f)
+            t[p + ".alpha"] = torch.tensor(float(rank))
+    save_file(t, path)
+
+
+def as_diff(model: nn.Module, adapter, path: str) -> None:
+    """The adapter's ΔW on each Linear, as a file of full diffs: the same delta on the dense path."""
+    t = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            p = "lora_unet_" + name.replace(".", "_")
+            t[p + ".diff"] = adapter.layers[p].weight.delta(m.weight.shape).to(torch.bfloat16).contiguous()
+    save_file(t, path)
+
+
+def lycoris_line(model, x, tmp: str, rank: int, device, dtype, repeat: int) -> str:
+    """LoHa and LoKr at `rank`, run as the low-rank forms of their products, against the same ΔW as full diffs on
+    the dense path: paired steps (one bank holds both, one at strength 1 and the other at 0, which is cut from
+    the step), activation into a fresh bank (median of 3) and the slots' bytes."""
+    lines = []
+    for kind in ("loha", "lokr"):
+        cache = AdapterCache(max_items=2, max_bytes=1 << 40)
+        path = os.path.join(tmp, f"{kind}.safetensors")
+        write_lycoris(model, path, kind, rank, seed=200)
+        product = cache.load(path)
+        as_diff(model, product, os.path.join(tmp, f"{kind}_diff.safetensors"))
+        dense = cache.load(os.path.join(tmp, f"{kind}_diff.safetensors"))
+        plans = SlotBank(model, max_loras=1).binding(product).plans
+        ranks = sorted({p.rank for p in plans.values()})
+        held, first = {}, {}
+        for name, adapter in (("product", product), ("dense", dense)):
+            times = []
+            for _ in range(3):
+                bank = SlotBank(model, max_loras=1, dtype=dtype, device=device)
+                t0 = time.perf_counter()
+                bank.activate([(adapter, 1.0)])
+                sync(device)
+                times.append(time.perf_counter() - t0)
+                held[name] = bank.occupancy()["bytes"]
+                bank.release()
+            first[name] = statistics.median(times)
+        bank = SlotBank(model, max_loras=2, dtype=dtype, device=device)
+        bank.activate([(product, 1.0), (dense, 0.0)])
+        variants = {"base": bank.deactivate, "product": lambda: bank.activate([(product, 1.0), (dense, 0.0)]),
+                    "dense": lambda: bank.activate([(product, 0.0), (dense, 1.0)])}
+        with torch.inference_mode():
+            steps = paired(variants, lambda: model(x), device, repeat, before=lambda: None)
+            bank.activate([(product, 1.0), (dense, 0.0)])
+            a = model(x).float()
+            bank.activate([(product, 0.0), (dense, 1.0)])
+            b = model(x).float()
+        bank.release()
+        lines.append(f"{kind} rank {rank} (product rank {','.join(map(str, ranks))}, low-rank on "
+                     f"{sum(p.low_rank for p in plans.values())} of {len(plans)} layers): step {steps['product']['ratio']:.3f} / "
+                     f"{steps['product']['cpu_ratio']:.3f} x base, as a diff {steps['dense']['ratio']:.3f} / "
+                     f"{steps['dense']['cpu_ratio']:.3f}; activation {first['product'] * 1e3:.0f} ms, as a diff "
+                     f"{first['dense'] * 1e3:.0f} ms; slots {held['product'] / 2**20:.1f} MB, as a diff "
+                     f"{held['dense'] / 2**20:.1f} MB; outputs differ by {(a - b).abs().max().item():.2e} "
+                     f"of {a.abs().max().item():.2f} (the diff stored in bf16)")
+    return "\nLyCORIS products (wall / CPU step ratios):\n" + "\n".join(lines)
 
 
 def refuse(linears: dict[str, nn.Linear], backups: dict[str, torch.Tensor], adapters, strength: float) -> None:
@@ -370,6 +452,7 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
     ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
     ap.add_argument("--mixed", default="16,16,32,128", help="ranks of the mixed-rank line (empty: skip)")
+    ap.add_argument("--lycoris", type=int, default=8, help="rank of the LoHa and LoKr line (0: skip)")
     ap.add_argument("--grow", type=int, default=4, help="k of the line for a stack grown from k to k+1 adapters "
                     "(0: skip; at most 2 * max(ks) - 1)")
     args = ap.parse_args()
@@ -410,6 +493,8 @@ def main() -> None:
         print(mixed_line(model, x, tmp, [int(r) for r in args.mixed.split(",")], device, dtype, args.repeat))
     if 0 < args.grow < len(adapters):
         print(grow_line(model, adapters, args.grow, device, dtype))
+    if args.lycoris:
+        print(lycoris_line(model, x, tmp, args.lycoris, device, dtype, args.repeat), flush=True)
     if args.grid:
         print(per_item_line(model, adapters[:min(4, len(adapters))], args.grid, args.grid_tokens, device, dtype,
                             args.repeat))

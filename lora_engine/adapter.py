@@ -67,10 +67,6 @@ class Adapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for lp in self.layers.values() for t in lp.tensors())
 
-    @property
-    def low_rank_only(self) -> bool:
-        return all(lp.runtime_low_rank or lp.weight is None for lp in self.layers.values())
-
     def __repr__(self) -> str:
         return f"Adapter({self.name!r}, layers={len(self.layers)}, formats={'+'.join(self.formats) or '-'})"
 

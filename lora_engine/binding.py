@@ -26,7 +26,7 @@ from torch import nn
 from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
-from .patches import LayerPatch, LoHa, LoKr, LowRank
+from .patches import LayerPatch, LoHa, LoKr, LowRank, absmax
 
 if TYPE_CHECKING:
     from .writes import SlotCopies
@@ -106,17 +106,30 @@ class ModulePlan:
 
     def __post_init__(self):
         parts = [p for p in self.pieces if p.patch.weight is not None]
-        self.low_rank = self.geometry.low_rank_ok and all(p.patch.runtime_low_rank for p in parts)
-        self.rank = sum(p.patch.weight.rank for p in parts) if self.low_rank else 0
+        ranks = [self._runtime_rank(p) for p in parts]
+        self.low_rank = self.geometry.low_rank_ok and None not in ranks
+        self.rank = sum(ranks) if self.low_rank else 0
         whole = len(parts) == 1 and parts[0].out_slice is None
-        self.full_rank = parts[0].patch.weight.rank if whole and self.low_rank else 0
+        self.full_rank = ranks[0] if whole and self.low_rank else 0
         self.dora = any(p.patch.dora_scale is not None for p in self.pieces)
+
+    def _runtime_rank(self, piece: Piece) -> int | None:
+        """The rows a piece fills in a low-rank slot, or None where it takes the dense path: a low-rank patch's rank;
+        a LoHa or LoKr product's exact low-rank rank (`patches`) where its B and A hold fewer elements than ΔW."""
+        patch = piece.patch
+        if patch.runtime_low_rank:
+            return patch.weight.rank
+        rank = patch.product_rank
+        outputs = piece.out_slice[1] if piece.out_slice else self.geometry.out_features
+        inputs = self.geometry.weight_shape[1:].numel()
+        return rank if rank is not None and rank * (inputs + outputs) < inputs * outputs else None
 
     def check_factors(self, dtype: torch.dtype) -> None:
         """Raise before any slot is written when A or s·B would overflow `dtype`. The reader has checked
-        that every stored tensor is finite, so only a cast into a narrower range or the scale can overflow;
-        the maxima are read only where the dtypes' ranges leave that possible. A plan passes once per dtype:
-        its factors do not change."""
+        that every stored tensor is finite, so only a cast into a narrower range or the scale can overflow a
+        low-rank patch's factors; the maxima are read only where the dtypes' ranges leave that possible. A LoHa
+        or LoKr product's factors are products of stored values: bounded by their maxima, and built to decide
+        only past the bound. A plan passes once per dtype: its factors do not change."""
         if dtype in self.checked:
             return
         limit = _max(dtype)
@@ -124,37 +137,57 @@ class ModulePlan:
         def overflows(t: torch.Tensor, scale: float) -> bool:
             return _max(t.dtype) * scale > limit and float(t.abs().amax()) * scale > limit
 
-        for p in self.pieces:
-            w = p.patch.weight
-            if w is not None and (overflows(w.down, 1.0) or overflows(w.up, abs(w.scale))):
-                raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
-                                     remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
-        self.checked.add(dtype)
+        def products_overflow(w) -> bool:  # past the bounds, the products themselves decide
+            return max(w.factor_bounds()) > limit and max(absmax(t) for t in w.factors()) > limit
 
-    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: SlotCopies) -> None:
-        """A into the first rows of `a` [R, in, *k] and s·B into the first columns of `b` [out, R], one slot's
-        rows of the layer's buffers (the rows no piece writes stay as they are): copies from the adapter's
-        tensors, without staging, added to `copies`, which makes them."""
-        at = 0
         for p in self.pieces:
             w = p.patch.weight
             if w is None:
                 continue
-            r, down = w.rank, w.down
+            if isinstance(w, LowRank):
+                bad = overflows(w.down, 1.0) or overflows(w.up, abs(w.scale))
+            else:
+                bad = products_overflow(w)
+            if bad:
+                raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
+                                     remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
+        self.checked.add(dtype)
+
+    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: SlotCopies) -> int:
+        """A into the first rows of `a` [R, in, *k] and s·B into the first columns of `b` [out, R], one slot's
+        rows of the layer's buffers (the rows no piece writes stay as they are). A low-rank patch's are copies from
+        the adapter's tensors, without staging, added to `copies`, which makes them. A LoHa or LoKr product's are
+        built from its factors on the slots' device and written at once, each rounded once; returns their bytes."""
+        at, written = 0, 0
+        for p in self.pieces:
+            w = p.patch.weight
+            if w is None:
+                continue
+            if isinstance(w, LowRank):
+                down, up, r = w.down, p.order(w.up), w.rank
+            else:
+                down, up = w.factors(a.device)
+                up, r = p.order(up), down.shape[0]
             if down.shape[1:] != a.shape[1:]:
                 down = down.reshape(r, *a.shape[1:])
             whole = r == a.shape[0]
-            copies.add(a if whole else a.narrow(0, at, r), down)
+            dst_a = a if whole else a.narrow(0, at, r)
             if p.out_slice is not None:
                 dst_b = b[p.out_slice[0]:sum(p.out_slice), at:at + r]
             else:
                 dst_b = b if whole else b.narrow(1, at, r)
-            up = p.order(w.up)
-            if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
-                copies.add(dst_b, up, w.scale)  # an exact copy, then one rounding of s·B
+            if not isinstance(w, LowRank):
+                dst_a.copy_(down)
+                dst_b.copy_(up)
+                written += dst_a.numel() * dst_a.element_size() + dst_b.numel() * dst_b.element_size()
             else:
-                copies.add_rounded(dst_b, up, w.scale)
+                copies.add(dst_a, down)
+                if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
+                    copies.add(dst_b, up, w.scale)  # an exact copy, then one rounding of s·B
+                else:
+                    copies.add_rounded(dst_b, up, w.scale)
             at += r
+        return written
 
     def dense(self, base_weight: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
         """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed, computed on `device` (None: where the

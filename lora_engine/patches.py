@@ -15,6 +15,16 @@ every patch defines a weight delta ΔW so that the patched layer computes
 - `LoKr`      ΔW = kron(W1, W2) · alpha/r, W1 and W2 either full or low-rank.
 - `FullDiff`  ΔW stored as is.
 
+LoHa and LoKr products without Tucker cores have exact low-rank forms B·A (`factors`),
+built from their factors, of rank r1·r2:
+- LoHa: (W1a·W1b) ⊙ (W2a·W2b) = B·A with B[o, (p,q)] = W1a[o,p]·W2a[o,q] and
+  A[(p,q), i] = W1b[p,i]·W2b[q,i] (row-wise and column-wise Kronecker products).
+- LoKr: with W1 = U1·V1 and W2 = U2·V2 (a full factor as I·W or W·I, whichever is
+  narrower), kron(W1, W2) = kron(U1, U2)·kron(V1, V2); a conv's W2 is read as
+  [out, in·kh·kw], which is how kron lays out ΔW's flattened inputs.
+Where that rank is small enough that B and A hold fewer elements than ΔW, the layer runs
+them as a low-rank adapter (`binding.ModulePlan`) instead of a dense ΔW.
+
 DoRA (`dora_scale`, PEFT's `lora_magnitude_vector`): with W' = W + ΔW, the decomposed
 weight is W_d = m ⊙ W' / ‖W'‖ (norm over every axis but the magnitude's), as DoRA,
 LyCORIS and PEFT define it, and strength s moves linearly from W to W_d, as in ComfyUI:
@@ -101,6 +111,25 @@ class LoHa:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.w1a, self.w1b, self.w2a, self.w2b, self.t1, self.t2) if t is not None)
 
+    @property
+    def product_rank(self) -> int | None:
+        """The rank of the exact low-rank form (`factors`), r1·r2; None with Tucker cores."""
+        if self.t1 is not None or self.t2 is not None:
+            return None
+        return self.w1b.shape[0] * self.w2b.shape[0]
+
+    def factors(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [r1·r2, in·k], c·B [out, r1·r2]) in fp32, with c·B·A = ΔW (the module docstring)."""
+        w1a, w2a = _flat(_f32(self.w1a, device)), _flat(_f32(self.w2a, device))
+        w1b, w2b = _flat(_f32(self.w1b, device)), _flat(_f32(self.w2b, device))
+        up = (w1a[:, :, None] * w2a[:, None, :]).reshape(w1a.shape[0], -1) * self.scale
+        down = (w1b[:, None, :] * w2b[None, :, :]).reshape(-1, w1b.shape[1])
+        return down, up
+
+    def factor_bounds(self) -> tuple[float, float]:
+        """Bounds on |A| and |c·B| entries of `factors`, from the stored factors' maxima."""
+        return absmax(self.w1b) * absmax(self.w2b), abs(self.scale) * absmax(self.w1a) * absmax(self.w2a)
+
 
 @dataclass(frozen=True)
 class LoKr:
@@ -136,6 +165,51 @@ class LoKr:
         parts = (self.w1, self.w1a, self.w1b, self.w2, self.w2a, self.w2b, self.t2)
         return tuple(t for t in parts if t is not None)
 
+    @property
+    def product_rank(self) -> int | None:
+        """The rank of the exact low-rank form (`factors`); None with a Tucker core."""
+        if self.t2 is not None:
+            return None
+        r1 = min(_flat(self.w1).shape) if self.w1 is not None else _flat(self.w1b).shape[0]
+        r2 = min(_flat(self.w2).shape) if self.w2 is not None else _flat(self.w2b).shape[0]
+        return r1 * r2
+
+    def factors(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [r, in·k], c·B [out, r]) in fp32, with c·B·A = ΔW flattened (the module docstring)."""
+        u1, v1 = _split(self.w1, self.w1a, self.w1b, device)
+        u2, v2 = _split(self.w2, self.w2a, self.w2b, device)
+        return torch.kron(v1, v2), torch.kron(u1, u2) * self.scale
+
+    def factor_bounds(self) -> tuple[float, float]:
+        """Bounds on |A| and |c·B| entries of `factors`, from the stored factors' maxima."""
+        v1, u1 = _maxima(self.w1, self.w1a, self.w1b)
+        v2, u2 = _maxima(self.w2, self.w2a, self.w2b)
+        return v1 * v2, abs(self.scale) * u1 * u2
+
+
+def _wide(full: torch.Tensor) -> bool:
+    """A full factor [m, n] with m ≤ n is split as I·W (its rank m), else as W·I."""
+    flat = _flat(full)
+    return flat.shape[0] <= flat.shape[1]
+
+
+def _maxima(full: torch.Tensor | None, a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]:
+    """(max |V|, max |U|) of `_split`'s halves: an identity's is 1."""
+    if full is None:
+        return absmax(b), absmax(a)
+    return (absmax(full), 1.0) if _wide(full) else (1.0, absmax(full))
+
+
+def _split(full: torch.Tensor | None, a: torch.Tensor | None, b: torch.Tensor | None,
+           device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, V) in fp32 with U·V the factor: a low-rank one's own (a, b), a full one's with an identity."""
+    if full is None:
+        return _flat(_f32(a, device)), _flat(_f32(b, device))
+    w = _flat(_f32(full, device))
+    if _wide(full):
+        return torch.eye(w.shape[0], dtype=torch.float32, device=w.device), w
+    return w, torch.eye(w.shape[1], dtype=torch.float32, device=w.device)
+
 
 @dataclass(frozen=True)
 class FullDiff:
@@ -167,8 +241,16 @@ class LayerPatch:
 
     @property
     def runtime_low_rank(self) -> bool:
-        """True when the patch runs as two small GEMMs; otherwise it takes the dense path."""
+        """True when the patch is a low-rank one, run as two small GEMMs as stored."""
         return isinstance(self.weight, LowRank) and self.dora_scale is None
+
+    @property
+    def product_rank(self) -> int | None:
+        """The rank of the exact low-rank form of a LoHa or LoKr product without Tucker cores or DoRA, else None;
+        `binding.ModulePlan` decides whether the layer runs it."""
+        if self.dora_scale is not None or not isinstance(self.weight, (LoHa, LoKr)):
+            return None
+        return self.weight.product_rank
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = tuple(t for t in (self.bias, self.dora_scale) if t is not None)

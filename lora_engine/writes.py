@@ -61,7 +61,7 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
             layer.prepare(slot, plan)
             layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
             layer.ranks[slot] = r
-            plan.write_factors(*layer.slot(slot), copies)
+            nbytes += plan.write_factors(*layer.slot(slot), copies)
         if bias is not None:
             layer.bias[slot] = bias.to(device=bank.device, dtype=bank.dtype, non_blocking=True)
             nbytes += bias.numel() * layer.bias[slot].element_size()

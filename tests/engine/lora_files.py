@@ -100,6 +100,11 @@ def expected_delta(tensors: dict[str, torch.Tensor], prefix: str, shape: torch.S
     return (up.reshape(up.shape[0], -1) @ down.reshape(rank, -1)).reshape(shape) * (alpha / rank)
 
 
+# A LoHa of this rank has a product of rank 64, more than ΔW holds on any of the tiny model's layers: it takes the
+# dense path there. At rank 2 its product (rank 4) runs as a low-rank adapter on every layer (`binding.ModulePlan`).
+DENSE_LOHA_RANK = 8
+
+
 def loha_tensors(model: nn.Module, seed: int, rank: int = 2, alpha: float = 1.0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -112,8 +117,9 @@ def loha_tensors(model: nn.Module, seed: int, rank: int = 2, alpha: float = 1.0)
     return out
 
 
-def lokr_tensors(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """LoKr with a full w1 and a low-rank w2 (alpha/rank applies)."""
+def lokr_tensors(model: nn.Module, seed: int, full_w2: bool = False) -> dict[str, torch.Tensor]:
+    """LoKr with a full w1 and a low-rank w2 (alpha/rank applies), which runs as a low-rank adapter on every layer
+    of the tiny model; with `full_w2`, both factors full (alpha does not apply), which takes the dense path there."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in weight_shapes(model).items():
@@ -122,8 +128,11 @@ def lokr_tensors(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         b = 3 if i % 3 == 0 else 1
         p = "lora_unet_" + name.replace(".", "_")
         out[f"{p}.lokr_w1"] = _rand(g, a, b)
-        out[f"{p}.lokr_w2_a"] = _rand(g, o // a, 2)
-        out[f"{p}.lokr_w2_b"] = _rand(g, 2, (i // b) * shape[2:].numel())
+        if full_w2:
+            out[f"{p}.lokr_w2"] = _rand(g, o // a, i // b, *shape[2:])
+        else:
+            out[f"{p}.lokr_w2_a"] = _rand(g, o // a, 2)
+            out[f"{p}.lokr_w2_b"] = _rand(g, 2, (i // b) * shape[2:].numel())
         out[f"{p}.alpha"] = torch.tensor(1.0)
     return out
 

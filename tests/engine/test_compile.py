@@ -91,7 +91,8 @@ def test_dense_path_adapters_recompile_only_when_their_number_changes(tmp_path):
     model = lf.tiny()
     lora, lora2 = (load_adapter(lf.write(tmp_path, f"l{i}.safetensors", lf.lora_tensors(model, "kohya", i, rank=3)),
                                 name=f"l{i}") for i in range(2))
-    h1, h2 = (load_adapter(lf.write(tmp_path, f"h{i}.safetensors", lf.loha_tensors(model, 10 + i)), name=f"h{i}")
+    h1, h2 = (load_adapter(lf.write(tmp_path, f"h{i}.safetensors",
+                                    lf.loha_tensors(model, 10 + i, rank=lf.DENSE_LOHA_RANK)), name=f"h{i}")
               for i in range(2))
     diff = load_adapter(lf.write(tmp_path, "d.safetensors", lf.diff_tensors(model, 20)), name="d")
     bank = SlotBank(model, max_loras=3)

@@ -19,8 +19,8 @@ def _scaled(tensors: dict[str, torch.Tensor], suffix: str, factor: float) -> dic
 
 
 OVERFLOWING = {  # finite in the file's fp32, past fp16's 65504 once combined
-    "loha": lambda m: _scaled(lf.loha_tensors(m, 3), "hada_w1_a", 1e6),
-    "lokr": lambda m: _scaled(lf.lokr_tensors(m, 3), "lokr_w1", 1e6),
+    "loha": lambda m: _scaled(lf.loha_tensors(m, 3, rank=lf.DENSE_LOHA_RANK), "hada_w1_a", 1e6),
+    "lokr": lambda m: _scaled(lf.lokr_tensors(m, 3, full_w2=True), "lokr_w1", 1e6),
     "diff": lambda m: _scaled(lf.diff_tensors(m, 3), ".diff", 1e7),
     "dora": lambda m: _scaled(lf.dora_tensors(m, 3), "dora_scale", 1e6),
 }
@@ -50,7 +50,7 @@ def test_a_bound_past_the_dtype_with_finite_deltas_is_computed_and_kept(tmp_path
     """The bound from the factors' maxima can exceed the dtype where the products do not (large entries that never
     meet): ΔW is then computed to decide, and the adapter is applied as any other."""
     model = lf.tiny().half()
-    t = lf.loha_tensors(lf.tiny(), 4)
+    t = lf.loha_tensors(lf.tiny(), 4, rank=lf.DENSE_LOHA_RANK)
     for k in [k for k in t if k.endswith("hada_w1_a")]:
         t[k][0, 0] = 300.0  # meets w1_b row 0, which stays small
     for k in [k for k in t if k.endswith("hada_w1_b")]:
@@ -69,7 +69,8 @@ def test_dense_deltas_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
     """Activating a dense-path adapter never holds the fp32 deltas of two layers at once: each one is converted into
     its slot and dropped before the next is made (all of them at once would be the model's size again, in fp32)."""
     model = lf.tiny().to(torch.bfloat16)
-    adapter = load_adapter(lf.write(tmp_path, "h.safetensors", lf.loha_tensors(lf.tiny(), 5)), pin=False)
+    adapter = load_adapter(lf.write(tmp_path, "h.safetensors", lf.loha_tensors(lf.tiny(), 5, rank=lf.DENSE_LOHA_RANK)),
+                           pin=False)
     made, real = [], binding_module.ModulePlan.dense
 
     def dense(self, *args):

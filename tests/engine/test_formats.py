@@ -54,7 +54,9 @@ def ref_lokr(t, model):
     for name, shape in lf.weight_shapes(model).items():
         p = _kohya_prefix(name)
         w1 = t[p + ".lokr_w1"].double()
-        w2 = (t[p + ".lokr_w2_a"].double() @ t[p + ".lokr_w2_b"].double())
+        full_w2 = t.get(p + ".lokr_w2")
+        w2 = full_w2.double().reshape(full_w2.shape[0], -1) if full_w2 is not None else \
+            (t[p + ".lokr_w2_a"].double() @ t[p + ".lokr_w2_b"].double())
         full = torch.zeros(shape[0], shape[1:].numel(), dtype=torch.float64)
         o2, i2 = w2.shape[0], shape[1] // w1.shape[1]
         k = shape[2:].numel()
@@ -65,8 +67,8 @@ def ref_lokr(t, model):
                 for c in range(o2):
                     for d in range(i2):
                         full[a * o2 + c, (b * i2 + d) * k:(b * i2 + d + 1) * k] = blk[c, d * k:(d + 1) * k]
-        rank = t[p + ".lokr_w2_b"].shape[0]
-        out[name] = full.reshape(shape) * float(t[p + ".alpha"]) / rank
+        scale = 1.0 if full_w2 is not None else float(t[p + ".alpha"]) / t[p + ".lokr_w2_b"].shape[0]
+        out[name] = full.reshape(shape) * scale
     return out
 
 
@@ -102,8 +104,10 @@ CASES = [
      lambda t, m: ref_lowrank(t, m, "peft-default"), "low-rank"),
     ("diffusers", lambda m: lf.lora_tensors(m, "diffusers", 6), lambda t, m: ref_lowrank(t, m, "diffusers"),
      "low-rank"),
-    ("loha", lambda m: lf.loha_tensors(m, 7), ref_loha, "dense"),
-    ("lokr", lambda m: lf.lokr_tensors(m, 8), ref_lokr, "dense"),
+    ("loha", lambda m: lf.loha_tensors(m, 7), ref_loha, "low-rank"),
+    ("loha-dense", lambda m: lf.loha_tensors(m, 12, rank=lf.DENSE_LOHA_RANK), ref_loha, "dense"),
+    ("lokr", lambda m: lf.lokr_tensors(m, 8), ref_lokr, "low-rank"),
+    ("lokr-full", lambda m: lf.lokr_tensors(m, 13, full_w2=True), ref_lokr, "dense"),
     ("diff", lambda m: lf.diff_tensors(m, 9), ref_diff, "dense"),
     ("dora-input-axis", lambda m: lf.dora_tensors(m, 10, "input"), lambda t, m: ref_dora(t, m, "input"), "dense"),
     ("dora-output-axis", lambda m: lf.dora_tensors(m, 11, "output"), lambda t, m: ref_dora(t, m, "output"),
@@ -163,7 +167,7 @@ def test_fused_equals_runtime(tmp_path, name, make, reference, path):
 def test_formats_are_named_in_the_report(tmp_path):
     model = lf.tiny()
     mixed = {**lf.lora_tensors(model, "kohya", 1, layers=("conv_in", "proj")),
-             **{k: v for k, v in lf.loha_tensors(model, 2).items() if "lora_unet_head" in k}}
+             **{k: v for k, v in lf.loha_tensors(model, 2, rank=lf.DENSE_LOHA_RANK).items() if "lora_unet_head" in k}}
     adapter = load_adapter(lf.write(tmp_path, "mixed.safetensors", mixed))
     assert set(adapter.formats) == {"kohya", "loha"}
     report = SlotBank(model).report(adapter)

@@ -1,0 +1,144 @@
+"""LoHa and LoKr products as exact low-rank adapters: a layer whose product has a low-rank form with fewer elements
+than ΔW runs it in the low-rank slots (two small GEMMs, no ΔW on the device); the others take the dense path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_engine import NonFiniteError, SlotBank, load_adapter
+
+from . import lora_files as lf
+
+TOL = 1e-5
+
+
+def kron_reference(w1: torch.Tensor, w2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """kron(W1, W2) for a layer of `shape`, written as ΔW[(i,k), (j,l)] = W1[i,j]·W2[k,l] with W2 read as
+    [out / a, in / b, *kernel], in float64."""
+    a, b = w1.shape
+    w2 = w2.double().reshape(shape[0] // a, shape[1] // b, -1)
+    d = torch.einsum("ij,klh->ikjlh", w1.double(), w2)
+    return d.reshape(shape[0], shape[1], *shape[2:])
+
+
+def lokr_low_rank_w1(model, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """LoKr with w1 as a low-rank pair (lokr_w1_a, lokr_w1_b; alpha/rank applies) and a full w2; and its ΔW per
+    layer."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for name, shape in lf.weight_shapes(model).items():
+        o, i = shape[0], shape[1]
+        a, b = (2 if o % 2 == 0 else 1), (2 if i % 2 == 0 else 1)
+        p = "lora_unet_" + name.replace(".", "_")
+        w1a, w1b = torch.randn(a, 1, generator=g), torch.randn(1, b, generator=g)
+        w2 = torch.randn(o // a, i // b, *shape[2:], generator=g) * 0.3
+        tensors.update({f"{p}.lokr_w1_a": w1a, f"{p}.lokr_w1_b": w1b, f"{p}.lokr_w2": w2,
+                        f"{p}.alpha": torch.tensor(0.5)})
+        deltas[name] = kron_reference(w1a @ w1b, w2, shape) * 0.5
+    return tensors, deltas
+
+
+def run(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def fused(deltas: dict[str, torch.Tensor], strength: float):
+    """The tiny model with `strength`·ΔW added to its weights in float64, rounded once."""
+    ref = lf.tiny()
+    mods = dict(ref.named_modules())
+    with torch.no_grad():
+        for name, d in deltas.items():
+            w = mods[name].weight
+            w.copy_((w.double() + strength * d).to(w.dtype))
+    return ref
+
+
+def test_a_lokr_with_a_low_rank_w1_equals_its_kronecker_product(tmp_path):
+    """The third LoKr layout (w1 as two factors, w2 full): its product has rank 1·min(w2's sides), which runs
+    low-rank where that is fewer elements than ΔW (conv_in 3·(27+6) < 6·27; not to_q, 8·(16+16) = 16·16), and the
+    output is the base model's with kron(W1, W2) added, by explicit indexing."""
+    model, x = lf.tiny(), lf.tiny_input()
+    tensors, deltas = lokr_low_rank_w1(model, 3)
+    adapter = load_adapter(lf.write(tmp_path, "lokr.safetensors", tensors), pin=False)
+    bank = SlotBank(model, max_loras=1)
+    plans = bank.binding(adapter).plans
+    assert {n: p.rank for n, p in plans.items() if p.low_rank} == {"conv_in": 3, "conv_mid": 3, "proj": 8, "ff": 8}
+    bank.activate([(adapter, 0.8)])
+    assert {n for n, layer in bank.layers.items() if layer.dense} == {"attn.to_q", "attn.to_out.0", "head"}
+    expected = run(fused(deltas, 0.8), x)
+    assert (run(model, x) - expected).abs().max() <= TOL
+    assert (expected - run(lf.tiny(), x)).abs().max() > 1e-2
+
+
+def test_the_product_runs_low_rank_only_where_its_factors_are_smaller_than_the_delta(tmp_path):
+    """A rank-3 LoHa has a product of rank 9: fewer elements than ΔW on proj (96→16) and ff (16→32), more on the
+    others, which take the dense path. Both paths together equal the dense deltas."""
+    model, x = lf.tiny(), lf.tiny_input()
+    adapter = load_adapter(lf.write(tmp_path, "loha.safetensors", lf.loha_tensors(model, 4, rank=3)), pin=False)
+    bank = SlotBank(model, max_loras=1)
+    plans = bank.binding(adapter).plans
+    assert {n for n, p in plans.items() if p.low_rank} == {"proj", "ff"}
+    assert all(p.rank == 9 for p in plans.values() if p.low_rank)
+    deltas = {n: p.dense(None).double() for n, p in plans.items()}
+    bank.activate([(adapter, -0.6)])
+    assert {n for n, layer in bank.layers.items() if layer.dense} == {"conv_in", "conv_mid", "attn.to_q",
+                                                                     "attn.to_out.0", "head"}
+    assert (run(model, x) - run(fused(deltas, -0.6), x)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_slots_hold_the_factors_not_the_delta(tmp_path, dtype):
+    """A rank-2 LoHa on the tiny model: its slots hold B and A of rank 4 on every layer, no ΔW, and each layer's
+    B·A is its ΔW rounded once into the slots' dtype; the bytes copied are the factors'."""
+    model = lf.tiny().to(dtype)
+    adapter = load_adapter(lf.write(tmp_path, "loha.safetensors", lf.loha_tensors(lf.tiny(), 5)), pin=False)
+    bank = SlotBank(model, max_loras=1)
+    activation = bank.activate([(adapter, 1.0)])
+    plans = bank.binding(adapter).plans
+    expected_bytes = 0
+    for name, layer in bank.layers.items():
+        a, b = layer.slot(0)
+        assert not layer.dense and a.shape[0] == 4, name
+        product = b.double() @ a.reshape(4, -1).double()
+        delta = plans[name].dense(None).double().reshape(product.shape)
+        assert (product - delta).abs().max() <= 4 * torch.finfo(dtype).eps * delta.abs().max(), name
+        expected_bytes += (a.numel() + b.numel()) * a.element_size()
+    assert activation.bytes_copied == expected_bytes
+    dense_bytes = sum(p.geometry.weight_shape.numel() * torch.finfo(dtype).bits // 8 for p in plans.values())
+    assert expected_bytes < dense_bytes
+
+
+def test_factors_that_overflow_the_model_dtype_are_refused(tmp_path):
+    """A product whose factors are finite in the file but not in the model's fp16 is refused before any slot
+    changes, naming the layer; the adapter that was active stays, and the model computes what it computed."""
+    model, x = lf.tiny().half(), lf.tiny_input().half()
+    good = load_adapter(lf.write(tmp_path, "good.safetensors", lf.lora_tensors(lf.tiny(), "kohya", 1)), pin=False)
+    t = {k: v * 1e6 if k.endswith("hada_w1_a") else v for k, v in lf.loha_tensors(lf.tiny(), 3).items()}
+    bad = load_adapter(lf.write(tmp_path, "bad.safetensors", t), pin=False)
+    bank = SlotBank(model, max_loras=1)
+    bank.activate([(good, 0.5)])
+    before = run(model, x)
+    with pytest.raises(NonFiniteError, match=r"the factors of layer '.+' are not finite in torch.float16") as e:
+        bank.activate([(bad, 1.0)])
+    assert e.value.path == bad.path and bank.slots == [good]
+    assert torch.equal(run(model, x), before)
+
+
+def test_a_bound_past_the_dtype_with_finite_factors_is_kept(tmp_path):
+    """The bound from the stored maxima can exceed fp16 where the products do not (large entries of W1a and W2a
+    in different rows): the factors are then built to decide, and the adapter is applied."""
+    model = lf.tiny().half()
+    t = lf.loha_tensors(lf.tiny(), 6)
+    for k in [k for k in t if k.endswith("hada_w1_a")]:
+        t[k][0, 0] = 400.0
+    for k in [k for k in t if k.endswith("hada_w2_a")]:
+        t[k][1, 0] = 400.0
+    adapter = load_adapter(lf.write(tmp_path, "wide.safetensors", t), pin=False)
+    bank = SlotBank(model, max_loras=1)
+    plans = bank.binding(adapter).plans
+    assert all(max(p.pieces[0].patch.weight.factor_bounds()) > torch.finfo(torch.float16).max
+               for p in plans.values())
+    bank.activate([(adapter, 1.0)])
+    assert bank.slots == [adapter] and all(not layer.dense for layer in bank.layers.values())
