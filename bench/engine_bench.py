@@ -165,13 +165,15 @@ def lycoris_line(model, x, tmp: str, rank: int, device, dtype, repeat: int) -> s
             bank.activate([(product, 0.0), (dense, 1.0)])
             b = model(x).float()
         bank.release()
+        step = {n: f"{steps[n]['ratio']:.3f} / {steps[n]['cpu_ratio']:.3f}" for n in ("product", "dense")}
+        ms = {n: f"{first[n] * 1e3:.0f} ms" for n in first}
+        mb = {n: f"{held[n] / 2**20:.1f} MB" for n in held}
         lines.append(f"{kind} rank {rank} (product rank {','.join(map(str, ranks))}, low-rank on "
-                     f"{sum(p.low_rank for p in plans.values())} of {len(plans)} layers): step {steps['product']['ratio']:.3f} / "
-                     f"{steps['product']['cpu_ratio']:.3f} x base, as a diff {steps['dense']['ratio']:.3f} / "
-                     f"{steps['dense']['cpu_ratio']:.3f}; activation {first['product'] * 1e3:.0f} ms, as a diff "
-                     f"{first['dense'] * 1e3:.0f} ms; slots {held['product'] / 2**20:.1f} MB, as a diff "
-                     f"{held['dense'] / 2**20:.1f} MB; outputs differ by {(a - b).abs().max().item():.2e} "
-                     f"of {a.abs().max().item():.2f} (the diff stored in bf16)")
+                     f"{sum(p.low_rank for p in plans.values())} of {len(plans)} layers): "
+                     f"step {step['product']} x base, as a diff {step['dense']}; "
+                     f"activation {ms['product']}, as a diff {ms['dense']}; slots {mb['product']}, as a diff "
+                     f"{mb['dense']}; outputs differ by {(a - b).abs().max().item():.2e} of "
+                     f"{a.abs().max().item():.2f} (the diff stored in bf16)")
     return "\nLyCORIS products (wall / CPU step ratios):\n" + "\n".join(lines)
 
 

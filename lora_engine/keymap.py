@@ -9,6 +9,8 @@ underscore names against `named_modules()`.
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -57,16 +59,25 @@ class KeyMap:
 
     def __init__(self, root: nn.Module, mapping: Mapping[str, object] | None = None, *,
                  defaults: bool = True, module_prefix: str = ""):
-        self.root = root
+        self._root = weakref.ref(root)  # weak: the root holds its key map (`SlotBank.root`)
         self.module_prefix = module_prefix
         self._defaults = defaults
         self._modules: dict[str, nn.Module] | None = None
-        self._every: dict[str, nn.Module] | None = None
+        self._every: dict[str, str] | None = None  # every module's class name, for `unhookable`
         self._underscore: dict[str, str] | None = None
         self._explicit: dict[str, Target | None] = {}
         self._resolved: dict[str, Target | None] = {}
         for prefix, value in (mapping or {}).items():
             self._explicit[prefix] = self._normalise(value)
+
+    @property
+    def root(self) -> nn.Module:
+        """The module the map resolves keys on. Held weakly: a map that outlives its model cannot be used."""
+        root = self._root()
+        if root is None:
+            raise ReferenceError("the model this key map was made for has been freed; keep a reference to the model "
+                                 "while its bank or key map is in use")
+        return root
 
     @property
     def modules(self) -> dict[str, nn.Module]:
@@ -115,9 +126,8 @@ class KeyMap:
         if target is None or target.module in self.modules:
             return None
         if self._every is None:
-            self._every = dict(self.root.named_modules())
-        module = self._every.get(target.module)
-        return type(module).__name__ if module is not None else None
+            self._every = {n: type(m).__name__ for n, m in self.root.named_modules()}
+        return self._every.get(target.module)
 
     def resolve(self, prefix: str) -> Target | None:
         target = self._explicit.get(prefix)

@@ -21,6 +21,7 @@ dense or bias slots a layer holds does.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -38,7 +39,7 @@ class LayerSlots:
     """One layer's buffers and its forward hook."""
 
     def __init__(self, bank: SlotBank, name: str, module: nn.Module):
-        self.bank = bank
+        self._bank = weakref.ref(bank)  # weak: the module holds this layer's hook (`SlotBank.root`)
         self.name = name
         self.geometry = Geometry.of(module)
         self.n = bank.max_loras
@@ -62,6 +63,11 @@ class LayerSlots:
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
 
     @property
+    def bank(self) -> SlotBank | None:
+        """The bank that holds this layer; None once it has been freed (its hook then does nothing)."""
+        return self._bank()
+
+    @property
     def hi(self) -> int:
         """The low-rank slots 0..hi-1 hold every live one: hi - 1 is the last live slot (0: none)."""
         return 0 if self.rows is None else self.rows.key[-1][0] + 1
@@ -78,6 +84,8 @@ class LayerSlots:
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank
+        if bank is None:
+            return None
         compiling = torch.compiler.is_compiling()
         # Under torch.compile the layer is skipped only when it has no buffers at all (see `_compiled`).
         skip = (self.a is None and self.stacked is NOTHING_STACKED) if compiling else (bank.all_zero or self.idle)

@@ -80,7 +80,8 @@ class Activation:
 
 
 class SlotBank:
-    """The runtime adapter state of one model. Use `SlotBank.of(root)` to share one per module."""
+    """The runtime adapter state of one model. Use `SlotBank.of(root)` to share one per module. The model owns the
+    bank until `release`, and the bank does not keep the model alive (`root`): hold the model while it is used."""
 
     BINDINGS_KEPT = 4  # bindings kept for adapters that are not resident
 
@@ -90,7 +91,7 @@ class SlotBank:
                  model_name: str | None = None, weight_fn=None, slot_rank: int = 0):
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
-        self.root = root
+        self._root = weakref.ref(root)  # weak: the root holds the bank, and a cycle would keep a dropped model alive
         self.max_loras = max_loras
         self.keymap = keymap or KeyMap(root)
         self.model_name = model_name or type(root).__name__
@@ -121,12 +122,22 @@ class SlotBank:
         self.copies = 0
         self.bytes_copied = 0
         self.reallocations = 0
+        root.__dict__.setdefault(self.OWNED, []).append(self)  # the root owns its banks (`root`)
         with _BANKS_LOCK:
             _BANKS.add(self)
 
     # -- sharing ---------------------------------------------------------------------------------------
 
     ATTRIBUTE = "_lora_engine_bank"  # where a root module holds its bank (in its __dict__, not as a submodule)
+    OWNED = "_lora_engine_banks"  # where it holds every bank made on it, until released
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The module the bank serves; None once it has been freed. The root owns its banks, from their creation
+        until `release`, and each hooked module its layer's hook; the bank refers to the root, and its layers to the
+        bank, weakly, so that no reference cycle keeps a model alive after its host drops it (ComfyUI takes a model
+        that outlives its patchers for a leak, and its weights would stay in memory until a garbage collection)."""
+        return self._root()
 
     @classmethod
     def attached(cls, root: nn.Module) -> SlotBank | None:
@@ -348,8 +359,13 @@ class SlotBank:
             self.active = False
             with _BANKS_LOCK:
                 _BANKS.discard(self)
-            if self.attached(self.root) is self:
-                del self.root.__dict__[self.ATTRIBUTE]
+            root = self.root
+            if root is not None:
+                if self.attached(root) is self:
+                    del root.__dict__[self.ATTRIBUTE]
+                owned = root.__dict__.get(self.OWNED, [])
+                if self in owned:
+                    owned.remove(self)
 
     @_state_writes
     def to(self, device: torch.device) -> None:

@@ -323,7 +323,8 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
     another model (`CLIP.clone(disable_dynamic=True)`, as SetClipHooks asks): its stack stays on that `root`."""
 
     def __init__(self, stack: Stack, merges: int = 0, root=None):
-        super().__init__(self._inject, self.deactivate)
+        # `inject` and `eject` are methods: PatcherInjection's own __init__ would store them as bound methods on
+        # the instance, a reference cycle that keeps a text encoder's root alive after ComfyUI drops the CLIP.
         self.stack = stack
         self.merges = merges  # merge patches the model held when the stack was put on it
         self.root = root
@@ -332,7 +333,7 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
     def _root(self, patcher):
         return self.root if self.root is not None else patcher.model
 
-    def _inject(self, patcher):
+    def inject(self, patcher):
         if not self.warned and merge_patches(patcher) > self.merges:
             self.warned = True
             log.warning(MERGE_WARNING)
@@ -351,6 +352,9 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         bank = SlotBank.attached(self._root(patcher))
         if bank is not None:
             bank.deactivate()
+
+    def eject(self, patcher):
+        self.deactivate(patcher)
 
     def unloaded(self, patcher, unpatch_all: bool) -> None:
         """An ON_DETACH callback. A detach that unpatches the model is ComfyUI unloading it (its memory manager
@@ -399,7 +403,7 @@ def release_unloaded(keep) -> None:
     loaded = loaded_roots()
     for bank in all_banks():
         root = bank.root
-        if root is not keep and id(root) not in loaded and SlotBank.attached(root) is bank:
+        if root is not None and root is not keep and id(root) not in loaded and SlotBank.attached(root) is bank:
             release_slots(root, "its model is no longer loaded")
 
 

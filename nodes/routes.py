@@ -33,7 +33,9 @@ def hooks() -> dict:
     for bank in all_banks():
         with bank.lock:  # activation adds a layer and its hook under this lock
             out["layers"] += len(bank.layers)
-            out["forward_hooks"] += sum(1 for m in bank.root.modules() for h in list(m._forward_hooks.values())
+            root = bank.root
+            modules = root.modules() if root is not None else ()
+            out["forward_hooks"] += sum(1 for m in modules for h in list(m._forward_hooks.values())
                                         if isinstance(getattr(h, "__self__", None), LayerSlots))
     return out
 

@@ -198,8 +198,9 @@ def test_lora_of_another_model_family(tmp_path):
     other = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(2, 8),
              "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(24, 2)}
     adapter = load_adapter(lf.write(tmp_path, "flux.safetensors", other))
+    model = lf.tiny()
     with pytest.raises(LoRANoMatchError) as e:
-        SlotBank(lf.tiny(), model_name="SD15").activate([(adapter, 1.0)])
+        SlotBank(model, model_name="SD15").activate([(adapter, 1.0)])
     assert "flux.safetensors" in str(e.value) and "SD15" in str(e.value)
 
 
@@ -252,7 +253,8 @@ def test_failed_activation_leaves_the_previous_set_running(tmp_path):
 
 
 def test_non_finite_strength(tmp_path):
-    bank = SlotBank(lf.tiny())
+    model = lf.tiny()
+    bank = SlotBank(model)
     with pytest.raises(NonFiniteError):
         bank.activate([(load_adapter(good(tmp_path)), float("inf"))])
 

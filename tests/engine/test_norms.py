@@ -141,5 +141,6 @@ def test_a_norm_diff_of_the_wrong_size_names_the_layer(tmp_path):
 
     tensors = {**norm_tensors(5), "diffusion_model.norm3.diff": torch.ones(12)}
     adapter = load_adapter(lf.write(tmp_path, "wrong.safetensors", tensors))
+    model = normed()
     with pytest.raises(LoRAShapeError, match="norm3"):
-        SlotBank(normed(), max_loras=1).activate([(adapter, 1.0)])
+        SlotBank(model, max_loras=1).activate([(adapter, 1.0)])

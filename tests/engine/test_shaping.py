@@ -235,7 +235,8 @@ def test_warm_zero_slots_are_not_computed(tmp_path):
 
 
 def test_shaped_duplicate_and_mismatched_items_are_refused(adapter):
-    bank = SlotBank(lf.tiny(), max_loras=2)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
     with pytest.raises(ShapingError, match="appears twice"):
         bank.activate([(adapter, 1.0), Entry(adapter, 0.5, Schedule.parse("0:1"))])
     with pytest.raises(ShapingError, match="different lengths"):

@@ -99,7 +99,8 @@ def test_zero_strength_keeps_the_slot_and_absence_frees_it(adapters):
 
 
 def test_more_than_max_loras_names_adapters_and_limit(adapters):
-    bank = SlotBank(lf.tiny(), max_loras=2)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
     with pytest.raises(SlotLimitError) as e:
         bank.activate([(a, 1.0) for a in adapters[:3]])
     msg = str(e.value)

@@ -119,7 +119,8 @@ def test_the_fused_weight_is_widened_alike(tmp_path):
 
 def test_the_file_is_left_as_it_was(tmp_path):
     adapter = load_adapter(lf.write(tmp_path, "plain.safetensors", kohya({"img_in": LINEAR})))
-    bind(adapter, KeyMap(Fill()))
+    model = Fill()
+    bind(adapter, KeyMap(model))
     assert adapter.layers["lora_unet_img_in"].weight.down.shape == (2, 4)
 
 
@@ -131,6 +132,7 @@ def test_the_file_is_left_as_it_was(tmp_path):
 ])
 def test_other_mismatches_are_refused(tmp_path, case, layers, extra):
     adapter = load_adapter(lf.write(tmp_path, "other.safetensors", kohya(layers, **extra)))
+    model = Fill()
     with pytest.raises(LoRAShapeError, match="do not fit layer|does not fit layer") as e:
-        bind(adapter, KeyMap(Fill()))
+        bind(adapter, KeyMap(model))
     assert "other.safetensors" in str(e.value)

@@ -1,0 +1,21 @@
+"""A model that ran a stack is freed as soon as ComfyUI drops it: in-process, `lifetime_check.py` loads the synthetic
+SD1.5 checkpoint, applies a stack to its model and CLIP, encodes and samples, then drops every reference with
+Python's cyclic garbage collector off (its docstring says how). Before the bank, the key map and the text
+encoder's injection referred back to the model weakly, reference cycles kept both alive (unet_freed and
+clip_freed false), and ComfyUI logged "Potential memory leak detected" once their patchers were gone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.host
+
+SCRIPT = Path(__file__).resolve().parent / "lifetime_check.py"
+
+
+def test_a_dropped_model_and_text_encoder_are_freed_without_a_collection(run_script, synth_assets, tmp_path):
+    result = json.loads(run_script(SCRIPT, tmp_path / "result.json"))
+    assert result == {"unet_freed": True, "clip_freed": True, "leak_logged": []}, result
