@@ -96,8 +96,9 @@ def write_adapter(model: nn.Module, path: str, rank: int, seed: int) -> None:
 
 
 def write_lycoris(model: nn.Module, path: str, kind: str, rank: int, seed: int) -> None:
-    """A LoHa (two rank-`rank` pairs) or a LoKr (w1 [f, f] full, f = 16 or less, and w2 of rank `rank`, LyCORIS's
-    usual split) on every Linear."""
+    """On every Linear: a LoHa (two rank-`rank` pairs), a LoKr (w1 [f, f] full, f = 16 or less, and w2 of rank
+    `rank`, LyCORIS's usual split), or a full LoKr (`lokr-full`: w2 full too, no alpha, as LyCORIS writes a LoKr of
+    full dimension, SimpleTuner's usual LoKr)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -110,11 +111,15 @@ def write_lycoris(model: nn.Module, path: str, kind: str, rank: int, seed: int) 
             if kind == "loha":
                 for j in (1, 2):
                     t[f"{p}.hada_w{j}_a"], t[f"{p}.hada_w{j}_b"] = rand(o, rank), rand(rank, i)
+                t[p + ".alpha"] = torch.tensor(float(rank))
+                continue
+            f = next(f for f in (16, 8, 4, 2, 1) if o % f == 0 and i % f == 0)
+            t[f"{p}.lokr_w1"] = rand(f, f)
+            if kind == "lokr-full":
+                t[f"{p}.lokr_w2"] = rand(o // f, i // f)
             else:
-                f = next(f for f in (16, 8, 4, 2, 1) if o % f == 0 and i % f == 0)
-                t[f"{p}.lokr_w1"], t[f"{p}.lokr_w2_a"], t[f"{p}.lokr_w2_b"] = rand(f, f), rand(o // f, rank), \
-                    rand(rank, i // f)
-            t[p + ".alpha"] = torch.tensor(float(rank))
+                t[f"{p}.lokr_w2_a"], t[f"{p}.lokr_w2_b"] = rand(o // f, rank), rand(rank, i // f)
+                t[p + ".alpha"] = torch.tensor(float(rank))
     save_file(t, path)
 
 
@@ -129,19 +134,22 @@ def as_diff(model: nn.Module, adapter, path: str) -> None:
 
 
 def lycoris_line(model, x, tmp: str, rank: int, device, dtype, repeat: int) -> str:
-    """LoHa and LoKr at `rank`, run as the low-rank forms of their products, against the same ΔW as full diffs on
-    the dense path: paired steps (one bank holds both, one at strength 1 and the other at 0, which is cut from
-    the step), activation into a fresh bank (median of 3) and the slots' bytes."""
+    """LoHa and LoKr at `rank`, run as the low-rank forms of their products, and a full LoKr, applied as its two
+    factors, against the same ΔW as full diffs on the dense path: paired steps (one bank holds both, one at
+    strength 1 and the other at 0, which is cut from the step), activation into a fresh bank (median of 3) and the
+    slots' bytes."""
     lines = []
-    for kind in ("loha", "lokr"):
+    for kind in ("loha", "lokr", "lokr-full"):
         cache = AdapterCache(max_items=2, max_bytes=1 << 40)
         path = os.path.join(tmp, f"{kind}.safetensors")
         write_lycoris(model, path, kind, rank, seed=200)
         product = cache.load(path)
         as_diff(model, product, os.path.join(tmp, f"{kind}_diff.safetensors"))
         dense = cache.load(os.path.join(tmp, f"{kind}_diff.safetensors"))
-        plans = SlotBank(model, max_loras=1).binding(product).plans
-        ranks = sorted({p.rank for p in plans.values()})
+        probe = SlotBank(model, max_loras=1)
+        binding = probe.binding(product)
+        report, ranks = binding.report, sorted({p.rank for p in binding.plans.values() if p.low_rank})
+        probe.release()
         held, first = {}, {}
         for name, adapter in (("product", product), ("dense", dense)):
             times = []
@@ -168,8 +176,9 @@ def lycoris_line(model, x, tmp: str, rank: int, device, dtype, repeat: int) -> s
         step = {n: f"{steps[n]['ratio']:.3f} / {steps[n]['cpu_ratio']:.3f}" for n in ("product", "dense")}
         ms = {n: f"{first[n] * 1e3:.0f} ms" for n in first}
         mb = {n: f"{held[n] / 2**20:.1f} MB" for n in held}
-        lines.append(f"{kind} rank {rank} (product rank {','.join(map(str, ranks))}, low-rank on "
-                     f"{sum(p.low_rank for p in plans.values())} of {len(plans)} layers): "
+        how = f"product rank {','.join(map(str, ranks))}, " if ranks else ""
+        lines.append(f"{kind} (rank {rank}; {how}{report.low_rank} low-rank, {report.kron} kronecker, "
+                     f"{report.dense} dense layers): "
                      f"step {step['product']} x base, as a diff {step['dense']}; "
                      f"activation {ms['product']}, as a diff {ms['dense']}; slots {mb['product']}, as a diff "
                      f"{mb['dense']}; outputs differ by {(a - b).abs().max().item():.2e} of "
@@ -454,7 +463,7 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=16, help="batch items for the per-item strength line (0: skip)")
     ap.add_argument("--grid-tokens", type=int, default=16, help="tokens per item in that batch")
     ap.add_argument("--mixed", default="16,16,32,128", help="ranks of the mixed-rank line (empty: skip)")
-    ap.add_argument("--lycoris", type=int, default=8, help="rank of the LoHa and LoKr line (0: skip)")
+    ap.add_argument("--lycoris", type=int, default=8, help="rank of the LoHa and LoKr lines (0: skip them)")
     ap.add_argument("--grow", type=int, default=4, help="k of the line for a stack grown from k to k+1 adapters "
                     "(0: skip; at most 2 * max(ks) - 1)")
     args = ap.parse_args()

@@ -27,6 +27,7 @@ from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
 from .patches import LayerPatch, LoHa, LoKr, LowRank, absmax
+from .runtime import Kron
 
 if TYPE_CHECKING:
     from .writes import SlotCopies
@@ -103,6 +104,7 @@ class ModulePlan:
     full_rank: int = field(init=False)  # the rank of the one piece that covers the whole layer; 0 where several,
     # or a slice: a slot of exactly this rank is filled by `write_factors`, every row of it
     dora: bool = field(init=False)  # a piece is DoRA: its ΔW reads the layer's weight
+    kron: bool = field(init=False)  # not low_rank, and every piece a LoKr applied as its two factors (`kron_delta`)
 
     def __post_init__(self):
         parts = [p for p in self.pieces if p.patch.weight is not None]
@@ -112,6 +114,34 @@ class ModulePlan:
         whole = len(parts) == 1 and parts[0].out_slice is None
         self.full_rank = ranks[0] if whole and self.low_rank else 0
         self.dora = any(p.patch.dora_scale is not None for p in self.pieces)
+        self.kron = not self.low_rank and bool(parts) and all(self._kron_ok(p) for p in parts)
+
+    def _kron_ok(self, piece: Piece) -> bool:
+        """A LoKr piece on a plain Linear that its two factors apply in fewer multiply-adds than ΔW (`runtime.Kron`):
+        kron(W1 [a, b], W2 [c, d]) with a·c the piece's outputs, b·d the layer's inputs, and d + a < a·d (a W1 of one
+        row, or a W2 of one column, is ΔW itself). A host's reordering of the output rows, DoRA or a Tucker core
+        takes the dense path."""
+        g, patch = self.geometry, piece.patch
+        if g.conv_dims or not g.low_rank_ok or piece.rows is not None or patch.dora_scale is not None:
+            return False
+        shapes = patch.weight.half_shapes() if isinstance(patch.weight, LoKr) else None
+        if shapes is None:
+            return False
+        (a, b), (c, d) = shapes
+        outputs = piece.out_slice[1] if piece.out_slice else g.out_features
+        return a * c == outputs and b * d == g.in_features and d + a < a * d
+
+    def kron_delta(self, device: torch.device | None, dtype: torch.dtype) -> Kron:
+        """The layer's LoKr pieces as `runtime.Kron`, each half computed in fp32 (the scale in W1) and rounded once
+        into `dtype`, on `device`."""
+        pieces = []
+        for p in self.pieces:
+            if p.patch.weight is None:
+                continue
+            w1, w2 = p.patch.weight.halves(device)
+            start, size = p.out_slice or (0, self.geometry.out_features)
+            pieces.append((w1.to(dtype), w2.to(dtype), start, size))
+        return Kron(tuple(pieces))
 
     def _runtime_rank(self, piece: Piece) -> int | None:
         """The rows a piece fills in a low-rank slot, or None where it takes the dense path: a low-rank patch's rank;
@@ -256,6 +286,7 @@ class MatchReport:
     unhookable: tuple[tuple[str, str], ...] = ()
     # A layer whose A was widened with zero columns: (layer, the file's inputs, the layer's inputs).
     widened: tuple[tuple[str, int, int], ...] = ()
+    kron: int = 0  # layers that apply a LoKr as its two factors (`ModulePlan.kron`); not counted in `dense`
 
     @property
     def partial(self) -> bool:
@@ -263,13 +294,12 @@ class MatchReport:
 
     @property
     def runtime_path(self) -> str:
-        if self.dense == 0:
-            return "low-rank"
-        return "dense" if self.low_rank == 0 else "mixed"
+        return runtime_path(self.low_rank, self.kron, self.dense)
 
     def line(self) -> str:
-        s = (f"{self.adapter}: {self.matched} layers matched on {self.model} "
-             f"({'+'.join(self.formats)}, path {self.runtime_path}: {self.low_rank} low-rank, {self.dense} dense)")
+        kron = f", {self.kron} kronecker" if self.kron else ""
+        s = (f"{self.adapter}: {self.matched} layers matched on {self.model} ({'+'.join(self.formats)}, path "
+             f"{self.runtime_path}: {self.low_rank} low-rank{kron}, {self.dense} dense)")
         if self.unmatched:
             s += f"; {len(self.unmatched)} unmatched, e.g. {', '.join(self.unmatched[:3])}"
         if self.unhookable:
@@ -282,10 +312,17 @@ class MatchReport:
 
     def as_dict(self) -> dict:
         return {"adapter": self.adapter, "path": self.path, "model": self.model, "matched": self.matched,
-                "low_rank": self.low_rank, "dense": self.dense, "unmatched": list(self.unmatched),
+                "low_rank": self.low_rank, "kron": self.kron, "dense": self.dense, "unmatched": list(self.unmatched),
                 "leftover": list(self.leftover), "formats": list(self.formats), "partial": self.partial,
                 "runtime_path": self.runtime_path, "unhookable": [list(u) for u in self.unhookable],
                 "widened": [list(w) for w in self.widened]}
+
+
+def runtime_path(low_rank: int, kron: int, dense: int) -> str:
+    """What a report calls the path of layers counted so: low-rank, kronecker or dense where every layer takes that
+    path, mixed where they differ."""
+    paths = [name for name, n in (("low-rank", low_rank), ("kronecker", kron), ("dense", dense)) if n]
+    return paths[0] if len(paths) == 1 else "mixed" if paths else "low-rank"
 
 
 def _kinds(unhookable) -> str:
@@ -337,8 +374,9 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
     if not plans:
         raise no_match(f"the adapter matches no layer of {model_name}", adapter, unhookable)
     low = sum(1 for p in plans.values() if p.low_rank)
-    report = MatchReport(adapter.name, adapter.path, model_name, len(plans), low, len(plans) - low,
-                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats, unhookable, tuple(widened))
+    kron = sum(1 for p in plans.values() if p.kron)
+    report = MatchReport(adapter.name, adapter.path, model_name, len(plans), low, len(plans) - low - kron,
+                         tuple(sorted(unmatched)), adapter.leftover, adapter.formats, unhookable, tuple(widened), kron)
     return Binding(adapter, plans, report)
 
 

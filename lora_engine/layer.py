@@ -50,7 +50,7 @@ class LayerSlots:
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # each slot's rows (`slot`)
         self.lr_used: set[int] = set()
         self.dirty: set[int] = set()  # slots no adapter holds whose rows may not be zero yet (see `scrub`)
-        self.dense: dict[int, torch.Tensor] = {}
+        self.dense: dict[int, torch.Tensor | runtime.Kron] = {}  # ΔW, or a LoKr's factors (`runtime.Kron`)
         self.bias: dict[int, torch.Tensor] = {}
         self.stacked: tuple = NOTHING_STACKED  # the dense and bias slots as the compiled path reads them (`stack`)
         self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
@@ -79,8 +79,10 @@ class LayerSlots:
 
     def nbytes(self) -> int:
         packed = (self.rows.a, self.rows.b) if self.rows is not None and self.rows.packed else ()
-        ts = [self.a, self.b, *packed, *self.dense.values(), *self.bias.values()]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        ts = [self.a, self.b, *packed, *self.bias.values()]
+        dense = sum(d.nbytes() if isinstance(d, runtime.Kron) else d.numel() * d.element_size()
+                    for d in self.dense.values())
+        return dense + sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def _hook(self, module, args, kwargs, out):
         bank = self.bank

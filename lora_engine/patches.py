@@ -9,8 +9,8 @@ every patch defines a weight delta ΔW so that the patched layer computes
               file's alpha/r is computed once, at load, into c; the tensors keep
               their stored dtype and c is applied when B is written to a slot. A LoCon `lora_mid`
               (Tucker core) is folded into A: a 1×1 conv followed by a k×k conv
-              is one k×k conv. This is the only kind applied as two small
-              matrix products at runtime.
+              is one k×k conv. It runs as two small matrix products at runtime,
+              as do the LoHa and LoKr products below where they have a small form.
 - `LoHa`      ΔW = (W1a·W1b) ⊙ (W2a·W2b) · alpha/r  (Tucker cores optional).
 - `LoKr`      ΔW = kron(W1, W2) · alpha/r, W1 and W2 either full or low-rank.
 - `FullDiff`  ΔW stored as is.
@@ -24,6 +24,10 @@ built from their factors, of rank r1·r2:
   [out, in·kh·kw], which is how kron lays out ΔW's flattened inputs.
 Where that rank is small enough that B and A hold fewer elements than ΔW, the layer runs
 them as a low-rank adapter (`binding.ModulePlan`) instead of a dense ΔW.
+
+A LoKr on a Linear whose product has no such small form is applied as it is stored (`halves`):
+kron(W1, W2)·x = vec(W1 · X · W2ᵀ), X the input read as [b, d], two small products of
+b·d·c + a·b·c multiply-adds per token against a·b·c·d for ΔW (`runtime.Kron`).
 
 DoRA (`dora_scale`, PEFT's `lora_magnitude_vector`): with W' = W + ΔW, the decomposed
 weight is W_d = m ⊙ W' / ‖W'‖ (norm over every axis but the magnitude's), as DoRA,
@@ -155,6 +159,20 @@ class LoKr:
         while w1.dim() < w2.dim():
             w1 = w1.unsqueeze(-1)
         return (torch.kron(w1, w2) * self.scale).reshape(shape)
+
+    def halves(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c·W1 [a, b], W2 [c, d·k]) in fp32, each factor whole, with ΔW = kron(c·W1, W2) (no Tucker core)."""
+        w1 = _f32(self.w1, device) if self.w1 is not None else _f32(self.w1a, device) @ _f32(self.w1b, device)
+        w2 = _flat(_f32(self.w2, device)) if self.w2 is not None else _rebuild(self.w2a, self.w2b, None, device)
+        return _flat(w1) * self.scale, w2
+
+    def half_shapes(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The shapes of `halves`, from the stored shapes; None with a Tucker core."""
+        if self.t2 is not None:
+            return None
+        w1 = _flat(self.w1).shape if self.w1 is not None else (self.w1a.shape[0], _flat(self.w1b).shape[1])
+        w2 = _flat(self.w2).shape if self.w2 is not None else (self.w2a.shape[0], _flat(self.w2b).shape[1])
+        return (w1[0], w1[1]), (w2[0], w2[1])
 
     def bound(self) -> float:
         w1 = absmax(self.w1) if self.w1 is not None else _product_bound(self.w1a, self.w1b, None)

@@ -8,7 +8,10 @@ For a Linear layer f with input x:
 
 A Conv layer uses A as a kernel-shaped conv with the layer's stride, padding
 and dilation, and B as a 1×1 conv. Adapters that cannot run in low rank
-(DoRA, LoHa, LoKr, full diffs, grouped convs) add s_i · f_ΔWi(x) per slot.
+(DoRA, full diffs, grouped convs, LoHa and LoKr products without a small
+low-rank form) add s_i · f_ΔWi(x) per slot, except a LoKr on a Linear, which
+adds s_i · vec(W1 · X · W2ᵀ) per output slice, X the input read as [b, d]
+(`Kron`): kron(W1, W2) is never made.
 A norm layer (LayerNorm, RMSNorm, GroupNorm: y = n(x) · w + b) takes full diffs
 of its weight and bias as s_i · (n(x) · Δw_i + Δb_i), n(x) recomputed without
 the affine part. Only the layer's output is used, never its weight, so fp8,
@@ -22,10 +25,30 @@ x · [A | 0]ᵀ = x[..., :in] · Aᵀ, as binding widens A for a wider layer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 _CONV = (None, F.conv1d, F.conv2d, F.conv3d)
+
+
+class Kron(NamedTuple):
+    """A Linear's ΔW as Kronecker products, held in a dense slot in place of ΔW: per output slice,
+    (c·W1 [a, b], W2 [c, d], start, size) with ΔW[start:start + size] = kron(c·W1, W2), size = a·c, and the layer's
+    inputs b·d."""
+
+    pieces: tuple[tuple[torch.Tensor, torch.Tensor, int, int], ...]
+
+    def to(self, *args, **kwargs) -> Kron:
+        return Kron(tuple((w1.to(*args, **kwargs), w2.to(*args, **kwargs), start, size)
+                          for w1, w2, start, size in self.pieces))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for w1, w2, _, _ in self.pieces for t in (w1, w2))
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for w1, w2, _, _ in self.pieces for t in (w1, w2))
 
 
 def item_scale(scale: torch.Tensor, batch: int) -> torch.Tensor:
@@ -87,6 +110,33 @@ def _dense(module_op, x, geom, delta, s):
     return _CONV[geom.conv_dims](x, delta, None, geom.stride, padding, geom.dilation, geom.groups) * s
 
 
+def _kron(x, w1, w2):
+    """kron(w1, w2)·x over the last axis: vec(w1 · X · w2ᵀ), X = x read as [b, d]."""
+    a, b = w1.shape
+    c, d = w2.shape
+    t = x.reshape(-1, b, d) @ w2.t()
+    return torch.matmul(w1, t).reshape(*x.shape[:-1], a * c)
+
+
+def _add_kron(out, x, kron: Kron, s):
+    for w1, w2, start, size in kron.pieces:
+        y = (_kron(x, w1, w2) * s).to(out.dtype)
+        if size == out.shape[-1]:
+            out = _inplace_add(out, y)
+        elif not torch.is_grad_enabled():
+            out.narrow(-1, start, size).add_(y)
+        else:
+            out = out + F.pad(y, (start, out.shape[-1] - start - size))
+    return out
+
+
+def _add_delta(module_op, x, geom, out, delta, s):
+    """`out` plus one dense slot's s · f_ΔW(x): ΔW as a tensor, or as Kronecker products."""
+    if isinstance(delta, Kron):
+        return _add_kron(out, x, delta, s)
+    return _inplace_add(out, _dense(module_op, x, geom, delta, s).to(out.dtype))
+
+
 def _low_rank_linear(x, a, b, columns, out):
     h = F.linear(x, a)
     if columns.dim() == 1:
@@ -130,8 +180,7 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
     for slot, delta in layer.dense.items():
         if slot in dead:
             continue
-        s = _slot_scale(scale, slot, x.shape[0], out.dim())
-        out = _inplace_add(out, _dense(module, xd, geom, delta, s).to(out.dtype))
+        out = _add_delta(module, xd, geom, out, delta, _slot_scale(scale, slot, x.shape[0], out.dim()))
     for slot, bias in layer.bias.items():
         if slot in dead:
             continue
@@ -149,8 +198,7 @@ def _stacked(module, xd, geom, out, scale, stacked):
     if deltas:
         s = scale.index_select(-1, dense_slots)
         for i, delta in enumerate(deltas):
-            y = _dense(module, xd, geom, delta, _slot_scale(s, i, batch, out.dim()))
-            out = _inplace_add(out, y.to(out.dtype))
+            out = _add_delta(module, xd, geom, out, delta, _slot_scale(s, i, batch, out.dim()))
     if biases:
         s = scale.index_select(-1, bias_slots)
         for i, bias in enumerate(biases):

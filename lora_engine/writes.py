@@ -71,7 +71,13 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
 def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
     """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
     maxima (and DoRA's from the base weight's) settles it for any usual file; past the bound, ΔW is computed on
-    the bank's device, checked and dropped."""
+    the bank's device, checked and dropped. A LoKr applied as its factors (`plan.kron`) checks those."""
+    if plan.kron:
+        if not plan.kron_delta(None, bank.dtype).finite():
+            raise NonFiniteError(f"the Kronecker factors of layer {plan.name!r} are not finite in {bank.dtype}",
+                                 path=plan.path, remedy="the adapter's values or alpha overflow the model's dtype; "
+                                 "use another file")
+        return
     if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if plan.dora else None):
         return
     delta = _dense(bank, plan)
@@ -87,7 +93,11 @@ def _dense(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
 
 
 def _write_dense(bank: SlotBank, layer: LayerSlots, slot: int, plan: ModulePlan) -> int:
-    """ΔW into the slot in the slots' dtype; the fp32 delta is dropped on return, before the next layer's."""
+    """ΔW into the slot in the slots' dtype; the fp32 delta is dropped on return, before the next layer's. A LoKr
+    applied as its factors writes those (`plan.kron`)."""
+    if plan.kron:
+        kron = layer.dense[slot] = plan.kron_delta(bank.device, bank.dtype)
+        return kron.nbytes()
     delta = _dense(bank, plan)
     if delta is None:
         return 0

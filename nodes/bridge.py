@@ -41,7 +41,7 @@ from lora_engine import (
     bind,
     default_cache,
 )
-from lora_engine.binding import no_match, unhookable_note, widened_note
+from lora_engine.binding import no_match, runtime_path, unhookable_note, widened_note
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ConditioningStrengthError, ShapingError
 from lora_engine.grid import GridError
@@ -246,7 +246,8 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=(
         "model_layers": unet.report.matched if unet else 0,
         "clip_layers": clip.report.matched if clip else 0,
         "no_clip_layers": len(no_clip),
-        "low_rank": sum(r.low_rank for r in parts), "dense": sum(r.dense for r in parts),
+        "low_rank": sum(r.low_rank for r in parts), "kron": sum(r.kron for r in parts),
+        "dense": sum(r.dense for r in parts),
         "unmatched": sorted(unmatched), "unhookable": [list(u) for u in unhookable],
         "widened": [list(w) for r in parts for w in r.widened],
         "leftover": list(adapter.leftover),
@@ -271,8 +272,7 @@ def _first_time(key: tuple) -> bool:
 def _log_once(adapter: Adapter, root, report: dict) -> None:
     if not _first_time((adapter.fingerprint, id(root))):
         return
-    path = "dense" if report["low_rank"] == 0 and report["dense"] else (
-        "mixed" if report["dense"] else "low-rank")
+    path = runtime_path(report["low_rank"], report["kron"], report["dense"])
     line = (f"[MultiLoRA] {adapter.name}: {report['model_layers']} model + {report['clip_layers']} text-encoder "
             f"layers ({'+'.join(report['formats'])}, {path} path)")
     if report["no_clip_layers"]:

@@ -117,14 +117,17 @@ def loha_tensors(model: nn.Module, seed: int, rank: int = 2, alpha: float = 1.0)
     return out
 
 
-def lokr_tensors(model: nn.Module, seed: int, full_w2: bool = False) -> dict[str, torch.Tensor]:
+def lokr_tensors(model: nn.Module, seed: int, full_w2: bool = False, w1_rows: int | None = None
+                 ) -> dict[str, torch.Tensor]:
     """LoKr with a full w1 and a low-rank w2 (alpha/rank applies), which runs as a low-rank adapter on every layer
-    of the tiny model; with `full_w2`, both factors full (alpha does not apply), which takes the dense path there."""
+    of the tiny model. With `full_w2`, both factors full (alpha does not apply): the Linears with a w1 of more than
+    one row apply its two factors (`runtime.Kron`), the others take the dense path; with `w1_rows=1` too, every
+    layer takes the dense path."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in weight_shapes(model).items():
         o, i = shape[0], shape[1]
-        a = 2 if o % 2 == 0 else 1
+        a = w1_rows or (2 if o % 2 == 0 else 1)
         b = 3 if i % 3 == 0 else 1
         p = "lora_unet_" + name.replace(".", "_")
         out[f"{p}.lokr_w1"] = _rand(g, a, b)

@@ -127,3 +127,24 @@ def test_item_tables_compile_once_more_then_alternate_without_recompiling(tmp_pa
         bank.set_items(rows)
         check()
     assert counter.frame_count == 2
+
+
+def test_a_lokr_applied_as_its_factors_compiles_as_a_dense_delta_does(tmp_path):
+    """A LoKr of full factors (its Kronecker factors on the tiny model's Linears, ΔW on the others) sits in a layer's
+    dense slots: swapped for another such LoKr, set to 0, or written again, it compiles nothing again."""
+    torch._dynamo.reset()
+    model = lf.tiny()
+    lora = load_adapter(lf.write(tmp_path, "l.safetensors", lf.lora_tensors(model, "kohya", 1, rank=3)), name="l")
+    k1, k2 = (load_adapter(lf.write(tmp_path, f"k{i}.safetensors", lf.lokr_tensors(model, 30 + i, full_w2=True)),
+                           name=f"k{i}") for i in range(2))
+    bank = SlotBank(model, max_loras=3)
+    bank.activate([(lora, 0.5), (k1, 0.7)])
+    assert any(bank.binding(k1).plans[n].kron for n in bank.layers)
+    counter, check = compiled_check(model, atol=1e-5)
+    check()
+    for change in (lambda: bank.activate([(lora, 0.5), (k2, -0.6)]),  # k1 released, k2 written into its slot
+                   lambda: bank.set_strength(k2, 0.0),
+                   lambda: bank.activate([(lora, 0.5), (k1, 0.4)])):
+        change()
+        check()
+    assert counter.frame_count == 1

@@ -20,7 +20,7 @@ def _scaled(tensors: dict[str, torch.Tensor], suffix: str, factor: float) -> dic
 
 OVERFLOWING = {  # finite in the file's fp32, past fp16's 65504 once combined
     "loha": lambda m: _scaled(lf.loha_tensors(m, 3, rank=lf.DENSE_LOHA_RANK), "hada_w1_a", 1e6),
-    "lokr": lambda m: _scaled(lf.lokr_tensors(m, 3, full_w2=True), "lokr_w1", 1e6),
+    "lokr": lambda m: _scaled(lf.lokr_tensors(m, 3, full_w2=True, w1_rows=1), "lokr_w1", 1e6),
     "diff": lambda m: _scaled(lf.diff_tensors(m, 3), ".diff", 1e7),
     "dora": lambda m: _scaled(lf.dora_tensors(m, 3), "dora_scale", 1e6),
 }

@@ -1,5 +1,6 @@
 """LoHa and LoKr products as exact low-rank adapters: a layer whose product has a low-rank form with fewer elements
-than ΔW runs it in the low-rank slots (two small GEMMs, no ΔW on the device); the others take the dense path."""
+than ΔW runs it in the low-rank slots (two small GEMMs, no ΔW on the device). A LoKr on a Linear without such a form
+is applied as its two factors (`runtime.Kron`); the others take the dense path."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from lora_engine import NonFiniteError, SlotBank, load_adapter
+from lora_engine.runtime import Kron
 
 from . import lora_files as lf
 
@@ -142,3 +144,88 @@ def test_a_bound_past_the_dtype_with_finite_factors_is_kept(tmp_path):
                for p in plans.values())
     bank.activate([(adapter, 1.0)])
     assert bank.slots == [adapter] and all(not layer.dense for layer in bank.layers.values())
+
+
+class Projections(torch.nn.Module):
+    """A fused qkv Linear (8 → 24) and an output Linear (64 → 96), with nothing else."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(64, 96)
+
+    def forward(self, x):
+        return self.qkv(x[..., :8]), self.out(x)
+
+
+def kron_lokr(g, a: int, b: int, c: int, d: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """A LoKr's full factors w1 [a, b] and w2 [c, d] (no alpha: LyCORIS's full-dimension LoKr), times `scale`."""
+    return {"lokr_w1": torch.randn(a, b, generator=g) * scale, "lokr_w2": torch.randn(c, d, generator=g) * 0.3}
+
+
+def test_a_lokr_of_full_factors_on_a_linear_is_applied_as_its_two_factors(tmp_path):
+    """kron(w1 [4, 4], w2 [24, 16]) on a 64 → 96 Linear has rank 64, no smaller than ΔW: the layer holds the two
+    factors (400 values, against 6144 of ΔW) and adds W1 · X · W2ᵀ. The fused qkv Linear takes three LoKr on its
+    slices (q, k, v as a host's map sends them), a fourth file only q and v. Each equals the explicit Kronecker
+    product added to the weights; per-item strengths, and autograd on, compute the same."""
+    from lora_engine import KeyMap
+    g = torch.Generator().manual_seed(5)
+    model, x = Projections(), torch.randn(3, 5, 64, generator=g)
+    tensors = {f"out.{k}": v for k, v in kron_lokr(g, 4, 4, 24, 16).items()}
+    mapping = {"out": "out.weight"}
+    for j, part in enumerate("qkv"):
+        tensors.update({f"to_{part}.{k}": v for k, v in kron_lokr(g, 2, 2, 4, 4).items()})
+        mapping[f"to_{part}"] = ("qkv.weight", (0, 8 * j, 8))
+    partial = {k: v for k, v in tensors.items() if k.startswith(("to_q.", "to_v."))}
+    full = load_adapter(lf.write(tmp_path, "lokr.safetensors", tensors), pin=False)
+    qv = load_adapter(lf.write(tmp_path, "qv.safetensors", partial), pin=False)
+    bank = SlotBank(model, max_loras=2, keymap=KeyMap(model, mapping, defaults=False))
+    assert all(p.kron and not p.low_rank for p in bank.binding(full).plans.values())
+    assert bank.report(full).runtime_path == "kronecker"
+
+    def expected(strengths):
+        ref = Projections()
+        with torch.no_grad():
+            for adapter_tensors, s in strengths:
+                if "out.lokr_w1" in adapter_tensors:
+                    ref.out.weight += s * kron_reference(adapter_tensors["out.lokr_w1"],
+                                                         adapter_tensors["out.lokr_w2"], ref.out.weight.shape)
+                for j, part in enumerate("qkv"):
+                    if f"to_{part}.lokr_w1" in adapter_tensors:
+                        ref.qkv.weight[8 * j:8 * (j + 1)] += s * kron_reference(
+                            adapter_tensors[f"to_{part}.lokr_w1"], adapter_tensors[f"to_{part}.lokr_w2"],
+                            torch.Size((8, 8)))
+            return ref(x)
+
+    bank.activate([(full, 0.7), (qv, -0.5)])
+    layer = bank.layers["out"]
+    assert isinstance(layer.dense[0], Kron) and layer.nbytes() == (16 + 24 * 16) * 4
+    with torch.no_grad():
+        got = model(x)
+    with torch.enable_grad():
+        graded = model(x)
+    want = expected([(tensors, 0.7), (partial, -0.5)])
+    for g_, w_, a_ in zip(got, want, graded):
+        assert (g_ - w_).abs().max() <= TOL and (a_.detach() - w_).abs().max() <= TOL
+    assert (want[1] - Projections()(x)[1]).abs().max() > 1e-1
+
+    bank.activate([(full, [0.7, 0.0, -1.0]), (qv, 0.25)])
+    with torch.no_grad():
+        items = model(x)
+    for i, s in enumerate([0.7, 0.0, -1.0]):
+        one = expected([(tensors, s), (partial, 0.25)])
+        assert all((items[k][i] - one[k][i]).abs().max() <= TOL for k in range(2)), i
+
+
+def test_kronecker_factors_that_overflow_the_model_dtype_are_refused(tmp_path):
+    """The factors are checked in the model's dtype before any slot changes, naming the layer."""
+    g = torch.Generator().manual_seed(6)
+    model = Projections().half()
+    tensors = {f"out.{k}": v for k, v in kron_lokr(g, 4, 4, 24, 16, scale=1e6).items()}
+    from lora_engine import KeyMap
+    bad = load_adapter(lf.write(tmp_path, "big.safetensors", tensors), pin=False)
+    bank = SlotBank(model, max_loras=1, keymap=KeyMap(model, {"out": "out.weight"}, defaults=False))
+    with pytest.raises(NonFiniteError, match=r"the Kronecker factors of layer 'out' are not finite in torch.float16"):
+        bank.activate([(bad, 1.0)])
+    assert bank.slots == [None] and not bank.layers

@@ -66,6 +66,8 @@ CASES = (
     Case("flux", (("diffusers", 0.8),)),
     Case("flux", (("lokr", 1.0),)),
     Case("flux", (("loha", 1.0),)),
+    Case("flux", (("lokr-full", 1.0),)),
+    Case("flux", (("kohya", 0.7), ("lokr-full", -0.6))),
     Case("flux", (("kohya", 0.7), ("diffusers", -0.6))),
     Case("flux", (("diffusers", 1.0), ("lokr", 0.5), ("loha", -0.8))),
     Case("sdxl", (("kohya", 1.0),)),

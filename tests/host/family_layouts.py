@@ -66,10 +66,14 @@ class Writer:
         if alpha is not None:
             self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
 
-    def lokr(self, prefix: str, *, rank: int = 4, alpha: float = 2.0, factor: int = 4) -> None:
-        """LoKr: a full w1 [factor, factor] ⊗ a low-rank w2 = w2_a @ w2_b (LyCORIS's default split)."""
+    def lokr(self, prefix: str, *, rank: int = 4, alpha: float = 2.0, factor: int = 4, full: bool = False) -> None:
+        """LoKr: a full w1 [factor, factor] ⊗ a low-rank w2 = w2_a @ w2_b (LyCORIS's default split); with `full`, a
+        full w2 and no alpha (LyCORIS's LoKr of full dimension, as SimpleTuner trains it)."""
         out, fin, _ = self.target(prefix)
         self.sd[prefix + ".lokr_w1"] = self.randn(factor, factor, std=1.0)
+        if full:
+            self.sd[prefix + ".lokr_w2"] = self.randn(out // factor, fin // factor, std=0.02)
+            return
         self.sd[prefix + ".lokr_w2_a"] = self.randn(out // factor, rank, std=0.1)
         self.sd[prefix + ".lokr_w2_b"] = self.randn(rank, fin // factor, std=0.1)
         self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
@@ -129,6 +133,14 @@ def flux_lokr(w: Writer) -> None:  # SimpleTuner LyCORIS names: `lycoris_` + the
     for name in ("transformer_blocks_0_attn_to_q", "transformer_blocks_0_ff_net_0_proj",
                  "single_transformer_blocks_1_attn_to_k", "single_transformer_blocks_0_proj_out"):
         w.lokr("lycoris_" + name)
+
+
+def flux_lokr_full(w: Writer) -> None:
+    """SimpleTuner's LoKr of full dimension (factor 16): q, k and v of a double block, which ComfyUI maps to slices
+    of the fused qkv, and Linears of both kinds of block; the runtime applies each as its two factors."""
+    for name in ("transformer_blocks_0_attn_to_q", "transformer_blocks_0_attn_to_k", "transformer_blocks_0_attn_to_v",
+                 "transformer_blocks_1_ff_net_0_proj", "single_transformer_blocks_0_proj_out"):
+        w.lokr("lycoris_" + name, factor=16, full=True)
 
 
 def flux_loha(w: Writer) -> None:  # LyCORIS LoHa with kohya names
@@ -467,7 +479,7 @@ def families(comfy) -> dict[str, Family]:
     return {
         "flux": Family("Flux", flux_config(256, FLUX_DEPTH, FLUX_SINGLE_DEPTH, context_in_dim=64, vec_in_dim=32),
                        flux_inputs, {"kohya": flux_kohya, "diffusers": flux_diffusers, "lokr": flux_lokr,
-                                     "loha": flux_loha}),
+                                     "lokr-full": flux_lokr_full, "loha": flux_loha}),
         "sdxl": Family("SDXL", SDXL_UNET, sdxl_inputs,
                        {"kohya": sdxl_kohya,
                         "diffusers": lambda w: sdxl_diffusers(w, comfy.utils.unet_to_diffusers(w.unet_config))},
