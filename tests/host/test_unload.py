@@ -60,12 +60,12 @@ def test_unloading_the_model_releases_its_slots_and_the_next_run_copies_them_aga
     assert after["banks"] == [], after
     assert after["hooks"] == {"layers": 0, "forward_hooks": 0}
 
-    fresh = one(server, seed2)  # the seed changes, so the sampler runs again; text encoding stays cached
+    fresh = one(server, seed2)  # the seed changes, so the sampler runs again (the text encoder may not)
     again = status(server)
     assert again["cache"]["misses"] == after["cache"]["misses"]  # copied from the cache, not read from disk
-    [bank] = again["banks"]
+    [bank] = [b for b in again["banks"] if "text encoder" not in b["model"]]
     assert held(bank) == set(NAMES) and bank["copies"] == len(NAMES) and bank["bytes"] > 0, bank
-    assert again["hooks"]["forward_hooks"] == again["hooks"]["layers"] == bank["layers"] > 0
+    assert again["hooks"]["forward_hooks"] == again["hooks"]["layers"] >= bank["layers"] > 0  # no hook left behind
 
     one(server, seed1)  # the warm path between the two unloads
     assert unload(server)["banks"] == []
