@@ -26,7 +26,7 @@ from torch import nn
 from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
-from .patches import LayerPatch, LoHa, LoKr, LowRank, absmax
+from .patches import LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
 from .runtime import Kron
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class ModulePlan:
     rank: int = field(init=False)  # the rows of a slot the pieces fill (0 unless low_rank)
     full_rank: int = field(init=False)  # the rank of the one piece that covers the whole layer; 0 where several,
     # or a slice: a slot of exactly this rank is filled by `write_factors`, every row of it
-    dora: bool = field(init=False)  # a piece is DoRA: its ΔW reads the layer's weight
+    reads_weight: bool = field(init=False)  # a piece is DoRA or OFT: its ΔW reads the layer's weight
     kron: bool = field(init=False)  # not low_rank, and every piece a LoKr applied as its two factors (`kron_delta`)
 
     def __post_init__(self):
@@ -113,7 +113,7 @@ class ModulePlan:
         self.rank = sum(ranks) if self.low_rank else 0
         whole = len(parts) == 1 and parts[0].out_slice is None
         self.full_rank = ranks[0] if whole and self.low_rank else 0
-        self.dora = any(p.patch.dora_scale is not None for p in self.pieces)
+        self.reads_weight = any(p.patch.reads_weight for p in self.pieces)
         self.kron = not self.low_rank and bool(parts) and all(self._kron_ok(p) for p in parts)
 
     def _kron_ok(self, piece: Piece) -> bool:
@@ -221,14 +221,14 @@ class ModulePlan:
 
     def dense(self, base_weight: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
         """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed, computed on `device` (None: where the
-        factors are); None when no piece has a weight. `base_weight` is read by DoRA pieces only."""
+        factors are); None when no piece has a weight. `base_weight` is read by DoRA and OFT pieces only."""
         g = self.geometry
         total = None
         for p in self.pieces:
             start, size = p.out_slice or (0, g.out_features)
             shape = torch.Size((size, *g.weight_shape[1:]))
             base = None
-            if base_weight is not None and p.patch.dora_scale is not None:
+            if base_weight is not None and p.patch.reads_weight:
                 base = base_weight.reshape(g.weight_shape)[start:start + size]
                 if p.rows is not None:  # in the file's row order, like the delta it combines with
                     base = base[torch.argsort(torch.tensor(p.rows))]
@@ -248,7 +248,7 @@ class ModulePlan:
 
     def bound(self, base_max: float | None = None) -> float | None:
         """A bound on |ΔW| entries from the factors' maxima, the pieces' bounds added up (`LayerPatch.bound`;
-        `base_max`: the base weight's largest |entry|, for DoRA); None where none is shown."""
+        `base_max`: the base weight's largest |entry|, for DoRA and OFT); None where none is shown."""
         bounds = [p.patch.bound(base_max) for p in self.pieces]
         return None if None in bounds else sum(bounds)
 
@@ -430,7 +430,14 @@ def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slic
     if patch.bias is not None and patch.bias.numel() != size:
         raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {name!r} with "
                              f"{size} outputs", path=adapter.path, key=patch.key)
-    if w is not None and not hasattr(w, "down"):
+    if isinstance(w, Oft):
+        rows = w.blocks.shape[0] * w.blocks.shape[1]
+        if rows != size:
+            raise LoRAShapeError(f"OFT blocks {tuple(w.blocks.shape)!r} rotate {rows} output rows, but layer {name!r} "
+                                 f"has {size}{' in its output slice ' + repr(out_slice) if out_slice else ''}",
+                                 path=adapter.path, key=patch.key,
+                                 remedy="the adapter was trained for another model or model size")
+    elif w is not None and not hasattr(w, "down"):
         # Checked from shapes before anything is materialised: LoHa and LoKr factors of a few KB can
         # describe a product of gigabytes.
         numel = size * torch.Size(g.weight_shape[1:]).numel()

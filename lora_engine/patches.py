@@ -14,6 +14,11 @@ every patch defines a weight delta ΔW so that the patched layer computes
 - `LoHa`      ΔW = (W1a·W1b) ⊙ (W2a·W2b) · alpha/r  (Tucker cores optional).
 - `LoKr`      ΔW = kron(W1, W2) · alpha/r, W1 and W2 either full or low-rank.
 - `FullDiff`  ΔW stored as is.
+- `Oft`       LyCORIS diag-OFT: W' = m ⊙ Rᵀ·W per block of output rows, R = (I + Q)(I − Q)⁻¹ orthogonal (Cayley),
+              Q = P − Pᵀ from the stored blocks P [k, b, b] (scaled down to Frobenius norm alpha where alpha > 0
+              and ‖Q‖ exceeds it), m the optional `rescale` per output row; ΔW = W' − W reads the base weight,
+              as DoRA's does, and strength s moves linearly from W to W', as in LyCORIS. (ComfyUI 0.28's
+              LoraLoader adds s²·(Rᵀ − I)·W and drops `rescale`; at s = 1 without `rescale` the two agree.)
 
 LoHa and LoKr products without Tucker cores have exact low-rank forms B·A (`factors`),
 built from their factors, of rank r1·r2:
@@ -243,7 +248,48 @@ class FullDiff:
         return (self.diff,)
 
 
-WeightPatch = LowRank | LoHa | LoKr | FullDiff
+@dataclass(frozen=True)
+class Oft:
+    blocks: torch.Tensor  # P: [k, b, b], k·b the layer's outputs
+    constraint: float  # the file's alpha: the largest Frobenius norm of Q; 0: none
+    rescale: torch.Tensor | None  # m: one factor per output row, or None
+
+    def rotation(self, device: torch.device | None = None) -> torch.Tensor:
+        """R [k, b, b] in fp32, each block orthogonal."""
+        p = _f32(self.blocks, device)
+        q = p - p.transpose(1, 2)
+        if self.constraint > 0:
+            norm = float(torch.linalg.norm(q)) + 1e-8
+            if norm > self.constraint:
+                q = q * (self.constraint / norm)
+        eye = torch.eye(q.shape[1], dtype=torch.float32, device=q.device)
+        return (eye + q) @ torch.linalg.inv(eye - q)
+
+    def delta_of(self, base: torch.Tensor) -> torch.Tensor:
+        """ΔW = m ⊙ Rᵀ·W − W in fp32 for the base weight `base` [out, in, *k] (fp32, where ΔW is computed)."""
+        r = self.rotation(base.device)
+        k, b, _ = r.shape
+        rotated = torch.einsum("knm,kn...->km...", r, base.reshape(k, b, *base.shape[1:])).reshape(base.shape)
+        if self.rescale is not None:
+            rotated = rotated * _f32(self.rescale, base.device).reshape(base.shape[0], *[1] * (base.dim() - 1))
+        return rotated - base
+
+    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+        raise ValueError("OFT's delta reads the base weight (`delta_of`)")
+
+    def bound(self, base_max: float | None = None) -> float | None:
+        """|m ⊙ Rᵀ·W| ≤ max|m| · √b · max|W| entrywise (R's columns are unit vectors), plus |W|; None without
+        `base_max`."""
+        if base_max is None:
+            return None
+        m = 1.0 if self.rescale is None else absmax(self.rescale)
+        return (m * self.blocks.shape[1] ** 0.5 + 1.0) * base_max
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.blocks,) if self.rescale is None else (self.blocks, self.rescale)
+
+
+WeightPatch = LowRank | LoHa | LoKr | FullDiff | Oft
 
 
 @dataclass
@@ -256,6 +302,11 @@ class LayerPatch:
     bias: torch.Tensor | None = None  # `diff_b`: added to the output as s · Δb
     dora_scale: torch.Tensor | None = None
     source_keys: list[str] = field(default_factory=list)
+
+    @property
+    def reads_weight(self) -> bool:
+        """ΔW is computed from the layer's base weight (DoRA, OFT)."""
+        return self.dora_scale is not None or isinstance(self.weight, Oft)
 
     @property
     def runtime_low_rank(self) -> bool:
@@ -280,20 +331,25 @@ class LayerPatch:
         patch."""
         if self.weight is None:
             return None
-        delta = self.weight.delta(shape, device)
+        if self.reads_weight and base_weight is None:
+            raise ValueError(f"{'OFT' if isinstance(self.weight, Oft) else 'DoRA'} needs the base weight")
+        if isinstance(self.weight, Oft):
+            delta = self.weight.delta_of(_f32(base_weight, device).reshape(shape))
+        else:
+            delta = self.weight.delta(shape, device)
         if self.dora_scale is None:
             return delta
-        if base_weight is None:
-            raise ValueError("DoRA needs the base weight")
         return dora_delta(_f32(base_weight, delta.device), delta, _f32(self.dora_scale, delta.device))
 
     def bound(self, base_max: float | None = None) -> float | None:
-        """A bound on |ΔW| entries from the factors' maxima. DoRA's also needs `base_max`, the largest |entry| of
-        the base weight: each entry of m ⊙ W'/‖W'‖ is at most |m|, so |ΔW_dora| ≤ max|m| + max|W| wherever W' is
-        finite in fp32; None where that is not shown."""
+        """A bound on |ΔW| entries from the factors' maxima. DoRA's and OFT's also need `base_max`, the largest
+        |entry| of the base weight (OFT's: `Oft.bound`). DoRA's: each entry of m ⊙ W'/‖W'‖ is at most |m|, so
+        |ΔW_dora| ≤ max|m| + max|W| wherever W' is finite in fp32. None where no bound is shown."""
         if self.weight is None:
             return 0.0
-        bound = self.weight.bound()
+        bound = self.weight.bound(base_max) if isinstance(self.weight, Oft) else self.weight.bound()
+        if bound is None:
+            return None
         if self.dora_scale is None:
             return bound
         if base_max is None or bound + base_max > 0.5 * torch.finfo(torch.float32).max:

@@ -70,7 +70,7 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
 
 def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
     """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
-    maxima (and DoRA's from the base weight's) settles it for any usual file; past the bound, ΔW is computed on
+    maxima (DoRA's and OFT's with the base weight's) settles it for any usual file; past the bound, ΔW is computed on
     the bank's device, checked and dropped. A LoKr applied as its factors (`plan.kron`) checks those."""
     if plan.kron:
         if not plan.kron_delta(None, bank.dtype).finite():
@@ -78,7 +78,7 @@ def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
                                  path=plan.path, remedy="the adapter's values or alpha overflow the model's dtype; "
                                  "use another file")
         return
-    if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if plan.dora else None):
+    if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if plan.reads_weight else None):
         return
     delta = _dense(bank, plan)
     if delta is not None and not bool(torch.isfinite(delta.to(bank.dtype)).all()):
@@ -88,8 +88,8 @@ def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
 
 
 def _dense(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
-    """The layer's ΔW for strength 1, in fp32 on the bank's device (DoRA reads the layer's weight)."""
-    return plan.dense(bank.weight_fn(plan.module) if plan.dora else None, bank.device)
+    """The layer's ΔW for strength 1, in fp32 on the bank's device (DoRA and OFT read the layer's weight)."""
+    return plan.dense(bank.weight_fn(plan.module) if plan.reads_weight else None, bank.device)
 
 
 def _write_dense(bank: SlotBank, layer: LayerSlots, slot: int, plan: ModulePlan) -> int:

@@ -171,9 +171,9 @@ def _dtype(patcher, root):
 
 
 def layer_weight(module) -> torch.Tensor:
-    """A layer's weight as the layer computes with it, for DoRA's norm. ComfyUI-GGUF's layers hold quantized
-    bytes (a tensor with a `tensor_type`) and dequantize them with their `get_weight`; ComfyUI's own
-    quantized tensors dequantize themselves in any arithmetic."""
+    """A layer's weight as the layer computes with it, for DoRA's norm and OFT's rotation. ComfyUI-GGUF's layers
+    hold quantized bytes (a tensor with a `tensor_type`) and dequantize them with their `get_weight`; ComfyUI's
+    own quantized tensors dequantize themselves in any arithmetic."""
     weight = module.weight
     if getattr(weight, "tensor_type", None) is not None and callable(getattr(module, "get_weight", None)):
         with torch.no_grad():

@@ -1,11 +1,11 @@
-"""LyCORIS LoHa (`hada_*`) and LoKr (`lokr_*`)."""
+"""LyCORIS LoHa (`hada_*`), LoKr (`lokr_*`) and diag-OFT (`oft_blocks`, 3-D; BOFT's 4-D blocks are left over)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import LoRAShapeError
-from ..patches import LoHa, LoKr
+from ..patches import LoHa, LoKr, Oft
 from ._util import ParseContext, finite_scale, layer, pop_alpha, prefixes
 
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
@@ -61,12 +61,13 @@ def parse_lokr(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> s
         parts = {p: _pop(tensors, f"{prefix}.{p}", consumed) for p in LOKR_PARTS}
         alpha = pop_alpha(tensors, prefix, consumed)
         _check_factors({p: parts[p] for p in ("lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b")}, ctx.path, prefix)
-        # As in LyCORIS: alpha/rank applies only when a factor is itself low-rank.
+        # As in LyCORIS: alpha/rank applies only when a factor is itself low-rank. LyCORIS gives both factors one
+        # rank; where a file's differ, w2's counts, as in ComfyUI's LoraLoader.
         rank = None
-        if parts["lokr_w1_b"] is not None:
-            rank = parts["lokr_w1_b"].shape[0]
-        elif parts["lokr_w2_b"] is not None:
+        if parts["lokr_w2_b"] is not None:
             rank = parts["lokr_w2_b"].shape[0]
+        elif parts["lokr_w1_b"] is not None:
+            rank = parts["lokr_w1_b"].shape[0]
         scale = finite_scale(alpha / rank if alpha is not None and rank else 1.0, ctx.path, prefix)
         entry = layer(layers, prefix, "lokr", ctx.path)
         entry.weight = LoKr(parts["lokr_w1"], parts["lokr_w1_a"], parts["lokr_w1_b"], parts["lokr_w2"],
@@ -74,3 +75,30 @@ def parse_lokr(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> s
         entry.source_keys.extend(consumed)
         found = True
     return "lokr" if found else None
+
+
+def parse_oft(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
+    """`{prefix}.oft_blocks` [k, b, b], `{prefix}.alpha` (the constraint on ‖Q‖, not a scale) and an optional
+    `{prefix}.rescale` [out, 1, ...]. BOFT's blocks [m, k, b, b] stay in the leftover, which names the layout."""
+    found = False
+    for prefix in prefixes(tensors, ".oft_blocks"):
+        blocks = tensors[f"{prefix}.oft_blocks"]
+        if blocks.dim() == 4:
+            continue
+        if blocks.dim() != 3 or blocks.shape[1] != blocks.shape[2] or blocks.numel() == 0:
+            raise LoRAShapeError(f"oft_blocks {tuple(blocks.shape)!r} is not a stack of square blocks [k, b, b]",
+                                 path=ctx.path, key=f"{prefix}.oft_blocks", remedy="the file is corrupt; re-export it")
+        consumed: list[str] = []
+        _pop(tensors, f"{prefix}.oft_blocks", consumed)
+        rescale = _pop(tensors, f"{prefix}.rescale", consumed)
+        outputs = blocks.shape[0] * blocks.shape[1]
+        if rescale is not None and rescale.numel() != outputs:
+            raise LoRAShapeError(f"rescale {tuple(rescale.shape)!r} does not hold one factor for each of the "
+                                 f"{outputs} outputs of oft_blocks {tuple(blocks.shape)!r}", path=ctx.path,
+                                 key=f"{prefix}.rescale", remedy="the file is corrupt; re-export it")
+        alpha = pop_alpha(tensors, prefix, consumed)
+        entry = layer(layers, prefix, "oft", ctx.path)
+        entry.weight = Oft(blocks, constraint=finite_scale(alpha or 0.0, ctx.path, prefix), rescale=rescale)
+        entry.source_keys.extend(consumed)
+        found = True
+    return "oft" if found else None

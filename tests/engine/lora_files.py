@@ -165,6 +165,23 @@ def dora_tensors(model: nn.Module, seed: int, axis: str = "input") -> dict[str, 
     return out
 
 
+def oft_tensors(model: nn.Module, seed: int, constraint: float = 0.0, rescale: bool = False,
+                std: float = 0.2) -> dict[str, torch.Tensor]:
+    """LyCORIS diag-OFT, as ComfyUI's weight_adapter/oft.py reads it: `oft_blocks` [k, b, b] over the output rows
+    (b = 3, 4 or 5, whichever divides them first), the constraint as `alpha`, and `rescale` [out, 1, ...] if
+    asked."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(model).items():
+        p = "lora_unet_" + name.replace(".", "_")
+        b = next(b for b in (4, 3, 5) if shape[0] % b == 0)
+        out[f"{p}.oft_blocks"] = _rand(g, shape[0] // b, b, b, std=std)
+        out[f"{p}.alpha"] = torch.tensor(float(constraint))
+        if rescale:
+            out[f"{p}.rescale"] = 1.0 + _rand(g, shape[0], *([1] * (len(shape) - 1)), std=0.1)
+    return out
+
+
 def write(tmp_path, name: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> str:
     path = os.path.join(str(tmp_path), name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)

@@ -99,10 +99,20 @@ def not_a_lora(tmp_path):
     return lf.write(tmp_path, "checkpoint.safetensors", {"model.diffusion_model.x.weight": torch.zeros(2, 2)})
 
 
-def oft(tmp_path):
-    """LyCORIS OFT, as ComfyUI's weight_adapter/oft.py reads it: block rotations and an alpha per layer."""
+def boft(tmp_path):
+    """LyCORIS BOFT, as ComfyUI's weight_adapter/boft.py reads it: butterfly stages of block rotations [m, k, b, b]
+    and an alpha per layer."""
+    return lf.write(tmp_path, "boft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(2, 4, 2, 2),
+                                                   "lora_unet_proj.alpha": torch.tensor(1.0)})
+
+
+def oft_not_square(tmp_path):
+    return lf.write(tmp_path, "oft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(4, 2, 3)})
+
+
+def oft_rescale_of_another_size(tmp_path):
     return lf.write(tmp_path, "oft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(4, 2, 2),
-                                                  "lora_unet_proj.alpha": torch.tensor(1.0)})
+                                                  "lora_unet_proj.rescale": torch.ones(7, 1)})
 
 
 def glora(tmp_path):
@@ -144,7 +154,10 @@ CASES = [
     (wrong_size, LoRAFileError, "needs 16 bytes", "x.lora_down.weight"),
     (nan_values, NonFiniteError, "NaN", "lora_unet_proj.lora_up.weight"),
     (not_a_lora, LoRAFormatError, "no LoRA", None),
-    (oft, LoRAFormatError, "holds OFT/BOFT layers", None),
+    (boft, LoRAFormatError, "holds BOFT layers", None),
+    (oft_not_square, LoRAShapeError, "(4, 2, 3) is not a stack of square blocks", "lora_unet_proj.oft_blocks"),
+    (oft_rescale_of_another_size, LoRAShapeError, "rescale (7, 1) does not hold one factor for each of the 8",
+     "lora_unet_proj.rescale"),
     (glora, LoRAFormatError, "holds GLoRA layers", None),
     (control, LoRAFormatError, "widens layer 'diffusion_model.img_in' to (4, 8)",
      "diffusion_model.img_in.reshape_weight"),
@@ -184,6 +197,20 @@ def test_wrong_shape_names_file_key_and_layer(tmp_path):
         bank.activate([(adapter, 1.0)])
     msg = str(e.value)
     assert "shape.safetensors" in msg and "lora_unet_proj" in msg and "(3, 100)" in msg and "'proj'" in msg
+    assert bank.slots == [None] * bank.max_loras and not bank.layers
+
+
+def test_oft_blocks_of_another_size_name_file_key_and_layer(tmp_path):
+    t = lf.oft_tensors(lf.tiny(), 1)
+    t["lora_unet_proj.oft_blocks"] = torch.zeros(5, 4, 4)  # proj has 16 outputs
+    adapter = load_adapter(lf.write(tmp_path, "oft.safetensors", t))
+    model = lf.tiny()
+    bank = SlotBank(model)
+    with pytest.raises(LoRAShapeError) as e:
+        bank.activate([(adapter, 1.0)])
+    msg = str(e.value)
+    assert "oft.safetensors" in msg and "'lora_unet_proj'" in msg and "(5, 4, 4) rotate 20 output rows" in msg
+    assert "'proj' has 16" in msg
     assert bank.slots == [None] * bank.max_loras and not bank.layers
 
 

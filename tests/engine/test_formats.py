@@ -92,6 +92,28 @@ def ref_dora(t, model, axis):
     return out
 
 
+def ref_oft(t, model):
+    """W' = m ⊙ Dᵀ·W with D the block-diagonal matrix of the Cayley rotations, each block's Q = P − Pᵀ first
+    scaled to Frobenius norm alpha where alpha > 0 and ‖Q‖ (over all blocks) exceeds it."""
+    mods = dict(model.named_modules())
+    out = {}
+    for name, shape in lf.weight_shapes(model).items():
+        p = _kohya_prefix(name)
+        blocks = t[p + ".oft_blocks"].double()
+        q = blocks - blocks.transpose(1, 2)
+        alpha = float(t[p + ".alpha"])
+        if alpha > 0 and float(q.norm()) > alpha:
+            q = q * alpha / float(q.norm())
+        eye = torch.eye(q.shape[1], dtype=torch.float64)
+        d = torch.block_diag(*[torch.linalg.solve((eye - qi).T, (eye + qi).T).T for qi in q])
+        w = mods[name].weight.detach().double()
+        rotated = (d.T @ w.reshape(shape[0], -1)).reshape(shape)
+        if p + ".rescale" in t:
+            rotated = rotated * t[p + ".rescale"].double()
+        out[name] = rotated - w
+    return out
+
+
 CASES = [
     # (name, tensors(model), reference deltas(tensors, model), runtime path)
     ("kohya", lambda m: lf.lora_tensors(m, "kohya", 1), lambda t, m: ref_lowrank(t, m, "kohya"), "low-rank"),
@@ -113,6 +135,8 @@ CASES = [
     ("dora-input-axis", lambda m: lf.dora_tensors(m, 10, "input"), lambda t, m: ref_dora(t, m, "input"), "dense"),
     ("dora-output-axis", lambda m: lf.dora_tensors(m, 11, "output"), lambda t, m: ref_dora(t, m, "output"),
      "dense"),
+    ("oft", lambda m: lf.oft_tensors(m, 15), ref_oft, "dense"),
+    ("oft-constrained-rescaled", lambda m: lf.oft_tensors(m, 16, constraint=0.5, rescale=True), ref_oft, "dense"),
 ]
 
 

@@ -74,6 +74,28 @@ def test_a_lokr_with_a_low_rank_w1_equals_its_kronecker_product(tmp_path):
     assert (expected - run(lf.tiny(), x)).abs().max() > 1e-2
 
 
+def test_a_lokr_whose_factors_have_different_ranks_takes_alpha_over_w2s(tmp_path):
+    """Both factors low-rank, of ranks 1 and 2 (LyCORIS writes one rank for both): alpha / rank(w2), as ComfyUI's
+    LoraLoader reads it; alpha / rank(w1) would double the delta."""
+    model, x = lf.tiny(), lf.tiny_input()
+    g = torch.Generator().manual_seed(4)
+    tensors, deltas = {}, {}
+    for name, shape in lf.weight_shapes(model).items():
+        o, i = shape[0], shape[1]
+        a, b = (2 if o % 2 == 0 else 1), (2 if i % 2 == 0 else 1)
+        p = "lora_unet_" + name.replace(".", "_")
+        w1a, w1b = torch.randn(a, 1, generator=g), torch.randn(1, b, generator=g)
+        w2a, w2b = torch.randn(o // a, 2, generator=g), torch.randn(2, (i // b) * shape[2:].numel(), generator=g)
+        tensors.update({f"{p}.lokr_w1_a": w1a, f"{p}.lokr_w1_b": w1b, f"{p}.lokr_w2_a": w2a * 0.3,
+                        f"{p}.lokr_w2_b": w2b, f"{p}.alpha": torch.tensor(1.0)})
+        deltas[name] = kron_reference(w1a @ w1b, (w2a * 0.3) @ w2b, shape) * 0.5
+    adapter = load_adapter(lf.write(tmp_path, "lokr.safetensors", tensors), pin=False)
+    SlotBank(model, max_loras=1).activate([(adapter, 0.8)])
+    expected = run(fused(deltas, 0.8), x)
+    assert (run(model, x) - expected).abs().max() <= TOL
+    assert (expected - run(lf.tiny(), x)).abs().max() > 1e-2
+
+
 def test_the_product_runs_low_rank_only_where_its_factors_are_smaller_than_the_delta(tmp_path):
     """A rank-3 LoHa has a product of rank 9: fewer elements than ΔW on proj (96→16) and ff (16→32), more on the
     others, which take the dense path. Both paths together equal the dense deltas."""

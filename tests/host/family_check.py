@@ -69,10 +69,15 @@ CASES = (
     Case("flux", (("lokr-full", 1.0),)),
     Case("flux", (("kohya", 0.7), ("lokr-full", -0.6))),
     Case("flux", (("kohya", 0.7), ("diffusers", -0.6))),
+    # OFT at strength 1 (ComfyUI's LoraLoader scales its delta by s², the runtime by s), first in the stack:
+    # ComfyUI's LoraLoader rotates the weight as the LoRAs before it left it, the runtime the base weight.
+    Case("flux", (("oft", 1.0),)),
+    Case("flux", (("oft", 1.0), ("kohya", 0.7))),
     Case("flux", (("diffusers", 1.0), ("lokr", 0.5), ("loha", -0.8))),
     Case("sdxl", (("kohya", 1.0),)),
     Case("sdxl", (("diffusers", 0.9),)),
     Case("sdxl", (("kohya", 0.8), ("diffusers", -0.5))),
+    Case("sdxl", (("oft", 1.0),)),
     Case("wan21", (("lightx2v", 1.0),)),
     Case("wan21", (("peft", 1.0),)),
     Case("wan21", (("kohya", 1.0),)),

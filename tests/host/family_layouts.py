@@ -85,6 +85,12 @@ class Writer:
             self.sd[f"{prefix}.hada_{w}_b"] = self.randn(rank, fin, std=0.3)
         self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
 
+    def oft(self, prefix: str, *, block: int = 4, std: float = 0.05) -> None:
+        """LyCORIS diag-OFT: `oft_blocks` [out / block, block, block] and alpha 0 (no constraint)."""
+        out, _, _ = self.target(prefix)
+        self.sd[prefix + ".oft_blocks"] = self.randn(out // block, block, block, std=std)
+        self.sd[prefix + ".alpha"] = self.torch.tensor(0.0)
+
     def diff(self, prefix: str, *, weight: bool = True, bias: bool = True) -> None:
         """Full-weight `.diff` and bias `.diff_b` (lightx2v distill files carry both)."""
         module, _ = self.layer(prefix)
@@ -149,6 +155,12 @@ def flux_loha(w: Writer) -> None:  # LyCORIS LoHa with kohya names
         w.loha("lora_unet_" + name)
 
 
+def flux_oft(w: Writer) -> None:  # LyCORIS diag-OFT with kohya names, the fused qkv among them
+    for name in ("double_blocks_0_img_attn_qkv", "double_blocks_1_txt_mlp_2", "single_blocks_0_linear2",
+                 "single_blocks_1_linear1"):
+        w.oft("lora_unet_" + name)
+
+
 def flux_inputs(torch, g) -> dict:
     return {"x": torch.randn(1, 16, 8, 8, generator=g), "timestep": torch.full((1,), 0.5),
             "context": torch.randn(1, 8, 64, generator=g), "y": torch.randn(1, 32, generator=g),
@@ -175,6 +187,16 @@ def sdxl_kohya(w: Writer) -> None:
     for name in linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
                         skip=("input_blocks.0.",)):
         w.lora(kohya(name), rank=4)
+
+
+def sdxl_oft(w: Writer) -> None:
+    """LyCORIS diag-OFT on the first three ResBlock convs and attention Linears, kohya names."""
+    modules = linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
+                      skip=("input_blocks.0.",))
+    convs = [n for n in modules if isinstance(w.modules[n], w.torch.nn.Conv2d)][:3]
+    attention = [n for n in modules if ".attn" in n][:3]
+    for name in convs + attention:
+        w.oft(kohya(name))
 
 
 def sdxl_diffusers(w: Writer, unet_to_diffusers) -> None:
@@ -479,9 +501,9 @@ def families(comfy) -> dict[str, Family]:
     return {
         "flux": Family("Flux", flux_config(256, FLUX_DEPTH, FLUX_SINGLE_DEPTH, context_in_dim=64, vec_in_dim=32),
                        flux_inputs, {"kohya": flux_kohya, "diffusers": flux_diffusers, "lokr": flux_lokr,
-                                     "lokr-full": flux_lokr_full, "loha": flux_loha}),
+                                     "lokr-full": flux_lokr_full, "loha": flux_loha, "oft": flux_oft}),
         "sdxl": Family("SDXL", SDXL_UNET, sdxl_inputs,
-                       {"kohya": sdxl_kohya,
+                       {"kohya": sdxl_kohya, "oft": sdxl_oft,
                         "diffusers": lambda w: sdxl_diffusers(w, comfy.utils.unet_to_diffusers(w.unet_config))},
                        resize=SDXL_TINY),
         "wan21": Family("WAN21_T2V", WAN_UNET, wan_inputs,

@@ -142,6 +142,40 @@ def test_a_dora_lora_on_a_gguf_model_matches_its_own_lora_path(gguf_server, gguf
     assert effect >= 10 * tolerance
 
 
+OFT = "gguf_oft.safetensors"
+
+
+@pytest.fixture(scope="module")
+def gguf_oft(models_dir) -> str:
+    """LyCORIS diag-OFT (blocks of 4 output rows, no constraint) on the same four Linears. Its rotation reads the
+    base weight, which ComfyUI-GGUF keeps quantized."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(models_dir / "loras" / synth.LORA_NAMES["kohya"]), "pt") as f:
+        outputs = {layer: f.get_slice(f"{layer}.lora_up.weight").get_shape()[0] for layer in DORA_LAYERS}
+    g = torch.Generator().manual_seed(6)
+    tensors = {}
+    for layer, out in outputs.items():
+        tensors[f"{layer}.oft_blocks"] = 0.3 * torch.randn(out // 4, 4, 4, generator=g)
+        tensors[f"{layer}.alpha"] = torch.tensor(0.0)
+    save_file(tensors, str(models_dir / "loras" / OFT))
+    return OFT
+
+
+def test_an_oft_on_a_gguf_model_matches_its_own_lora_path(gguf_server, gguf_oft, record_property):
+    """At strength 1, where ComfyUI's OFT (s² · (R − I)·W) and ours (s · (R − I)·W) agree."""
+    run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
+    floor = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
+    tolerance = max(3 * floor, MIN_TOLERANCE)
+    mine = run(ours([(gguf_oft, 1.0)]))
+    diff, effect = mad(mine, run(stock([(gguf_oft, 1.0)]))), mad(mine, run(graph({}, ["2", 0], "gguf_base")))
+    record_property("oft_ours_vs_stock", diff)
+    print(f"\nGGUF Q8_0 OFT: floor {floor:.4f}; ours vs stock {diff:.4f}; the OFT's effect {effect:.2f}")
+    assert diff <= tolerance
+    assert effect >= 10 * tolerance
+
+
 def test_a_strength_move_on_a_gguf_model_reads_no_file_and_patches_no_weight(gguf_server):
     first = one(gguf_server, ours(STACK))
     before = gguf_server.get_json("/multilora/status")
