@@ -133,7 +133,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
         if from_originals:
             base = originals(name) if callable(originals) else originals.get(name)
         if base is not None:
-            base = base.to(w.device, torch.float32).reshape(w.shape)
+            base = base.to(w.device, torch.float32, copy=True).reshape(w.shape)  # the caller's tensor stays as it is
             for f in others:
                 if name in f.modules:
                     base += f.strength * _delta(f.adapter, keymap, name, base, model_name)
@@ -147,6 +147,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 base = base + strength * d.reshape(base.shape)
         return base
 
+    bias_strength = strength - (prior.strength if prior else 0.0)
     kept: dict[str, torch.Tensor] = {}
     kept_bytes = 0
     total = len(names)
@@ -158,7 +159,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
             if not bool(torch.isfinite(nw).all()):
                 raise NonFiniteError(f"fusing gives NaN or Inf in layer {name!r}", path=adapter.path,
                                      remedy="the LoRA is broken, or the strength too large for this dtype")
-            _check_bias(keymap.modules[name], plans.get(name), adapter.path)
+            _new_bias(keymap.modules[name], plans.get(name), bias_strength, adapter.path)
             w = keymap.modules[name].weight
             # fp8 e4m3fn saturates instead of overflowing to inf, so compare with the dtype's range.
             if w.dtype.is_floating_point and float(nw.abs().max()) > torch.finfo(w.dtype).max:
@@ -192,7 +193,9 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 w.data.copy_(out)
                 written += 1
                 ledger.checksums[name] = _checksum(w)
-                _fuse_bias(keymap.modules[name], plans.get(name), strength - (prior.strength if prior else 0.0))
+                bias = _new_bias(keymap.modules[name], plans.get(name), bias_strength, adapter.path)
+                if bias is not None:
+                    keymap.modules[name].bias.data.copy_(bias)
                 if progress is not None:
                     try:
                         progress(total + i + 1, 2 * total)
@@ -214,18 +217,24 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
     return FuseResult(True, len(names), "re-fused from the unfused weights" if refuse else "fused")
 
 
-def _check_bias(module: nn.Module, plan, path: str | None) -> None:
-    if plan is not None and plan.bias() is not None and getattr(module, "bias", None) is None:
+def _new_bias(module: nn.Module, plan, strength: float, path: str | None) -> torch.Tensor | None:
+    """The layer's bias with the adapter's bias diff added at `strength`, in the bias's dtype; None where there is
+    nothing to add. Raises where the layer has no bias, or the sum is not finite in its dtype."""
+    db = plan.bias() if plan is not None else None
+    if db is None:
+        return None
+    b = getattr(module, "bias", None)
+    if b is None:
         raise FuseError(f"the adapter has a bias diff for {plan.name!r}, which has no bias", path=path,
                         key=plan.name)
-
-
-def _fuse_bias(module: nn.Module, plan, strength: float) -> None:
-    db = plan.bias() if plan is not None else None
-    if db is None or strength == 0.0:
-        return
-    b = module.bias  # present: _check_bias ran in the first pass
-    b.data.copy_((b.detach().float() + strength * db.to(b.device)).to(b.dtype))
+    if strength == 0.0:
+        return None
+    new = b.detach().float() + strength * db.to(b.device)
+    if not bool(torch.isfinite(new).all()) or float(new.abs().max()) > torch.finfo(b.dtype).max:
+        raise NonFiniteError(f"the bias of layer {plan.name!r} overflows {str(b.dtype).replace('torch.', '')} "
+                             "after fusing", path=path, key=plan.name,
+                             remedy="the LoRA's bias diff is broken, or the strength too large for this dtype")
+    return new.to(b.dtype)
 
 
 def _delta(adapter: Adapter, keymap: KeyMap, name: str, base: torch.Tensor, model_name: str | None) -> torch.Tensor:

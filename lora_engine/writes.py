@@ -38,10 +38,13 @@ def stage(bank: SlotBank, b: Binding) -> Staged:
     for name, plan in b.plans.items():
         if plan.low_rank:
             plan.check_factors(bank.dtype)
-            staged[name] = Step(True, plan if plan.rank else None, plan.bias())
         else:
             _check_dense(bank, plan)
-            staged[name] = Step(False, plan, plan.bias())
+        bias = plan.bias()
+        if bias is not None and not bool(torch.isfinite(bias.to(bank.dtype)).all()):
+            raise NonFiniteError(f"the bias diff of layer {plan.name!r} is not finite in {bank.dtype}", path=plan.path,
+                                 remedy="the adapter's values overflow the model's dtype; use another file")
+        staged[name] = Step(plan.low_rank, plan if not plan.low_rank or plan.rank else None, bias)
     return staged
 
 

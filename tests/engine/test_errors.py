@@ -316,3 +316,14 @@ def test_a_converter_that_fails_on_a_file_is_a_format_error_naming_it(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         load_adapter(path, convert=interrupted)
+
+
+def test_a_bias_diff_not_finite_in_the_model_dtype_is_refused_before_any_slot_changes(tmp_path):
+    t = lf.diff_tensors(lf.tiny(), 5)
+    t["diffusion_model.ff.diff_b"] = torch.full_like(t["diffusion_model.ff.diff_b"], 1e5)  # fp16 holds 65504
+    adapter = load_adapter(lf.write(tmp_path, "bias.safetensors", t))
+    model = lf.tiny().half()
+    bank = SlotBank(model, max_loras=1)
+    with pytest.raises(NonFiniteError, match="the bias diff of layer 'ff' is not finite in torch.float16"):
+        bank.activate([(adapter, 0.5)])
+    assert bank.slots == [None] and not bank.layers

@@ -219,3 +219,36 @@ def test_bias_diff_for_a_layer_without_bias_writes_nothing(tmp_path):
         fuse(model, adapter, 1.0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert ledger_of(model) is None
+
+
+def test_a_bias_that_overflows_its_dtype_writes_nothing(tmp_path):
+    t = lf.diff_tensors(lf.tiny(), 5)
+    t["diffusion_model.ff.diff_b"] = torch.full_like(t["diffusion_model.ff.diff_b"], 40000.0)  # finite in fp16
+    adapter = load_adapter(lf.write(tmp_path, "bias.safetensors", t))
+    model = lf.tiny().half()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NonFiniteError, match="the bias of layer 'ff' overflows float16") as e:
+        fuse(model, adapter, 2.0)  # 80000 > 65504
+    assert e.value.key == "ff"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert ledger_of(model) is None
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])
+def test_fusing_from_originals_leaves_them_as_they_are_and_adds_each_fusion_once(tmp_path, keep_bytes):
+    """With another adapter fused, each weight is the original plus both deltas, whether the first pass keeps it
+    (`keep_bytes`) or the write pass computes it again; the caller's originals are not written to."""
+    a, b = (load_adapter(lf.write(tmp_path, f"{n}.safetensors", lf.lora_tensors(lf.tiny(), "kohya", seed)))
+            for n, seed in (("a", 1), ("b", 2)))
+    pristine = {n: m.weight.detach().clone() for n, m in lf.tiny().named_modules() if n in lf.LAYERS}
+    originals = {n: w.clone() for n, w in pristine.items()}
+    model = lf.tiny()
+    fuse(model, a, 1.0, originals=originals)
+    fuse(model, b, 1.0, originals=originals, keep_bytes=keep_bytes)
+    assert all(torch.equal(originals[n], pristine[n]) for n in pristine)
+    expected, x = lf.tiny(), lf.tiny_input()
+    fuse(expected, a, 1.0)
+    fuse(expected, b, 1.0)
+    with torch.no_grad():
+        assert (model(x) - expected(x)).abs().max() <= 1e-5
+        assert (model(x) - lf.tiny()(x)).abs().max() > 1e-2
