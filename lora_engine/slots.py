@@ -122,6 +122,10 @@ class SlotBank:
         self.copies = 0
         self.bytes_copied = 0
         self.reallocations = 0
+        # Forward hooks made so far, one per layer that first gets a slot. torch.compile does not guard on hooks: a
+        # graph traced before a hook was made runs without it, so a host that compiles the model recompiles when
+        # this grows (nodes/bridge.py resets torch.compile's caches).
+        self.hooks_made = 0
         root.__dict__.setdefault(self.OWNED, []).append(self)  # the root owns its banks (`root`)
         with _BANKS_LOCK:
             _BANKS.add(self)

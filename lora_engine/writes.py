@@ -56,6 +56,7 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
         layer = bank.layers.get(name)
         if layer is None:
             layer = bank.layers[name] = LayerSlots(bank, name, b.plans[name].module)
+            bank.hooks_made += 1
         if not low_rank:
             nbytes += _write_dense(bank, layer, slot, plan)
         elif plan is not None:

@@ -341,7 +341,10 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
 
     def activate(self, patcher):
         """The stack active in the bank of the model `patcher` runs (made on its load device on first use)."""
-        _bank(patcher, self._root(patcher), self.stack.kind, self.stack.slots).activate(self.stack.entries)
+        bank = _bank(patcher, self._root(patcher), self.stack.kind, self.stack.slots)
+        bank.activate(self.stack.entries)
+        if TORCH_COMPILE_KWARGS in patcher.model_options:
+            recompile_for_new_hooks(bank)
 
     def in_use(self, patcher) -> bool:
         """A stack is active in that bank: injected by a clone ComfyUI holds loaded (this one, or another)."""
@@ -363,6 +366,24 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         (a moved slider): the slots stay warm for it."""
         if unpatch_all:
             release_slots(self._root(patcher), "ComfyUI unloaded the model")
+
+
+TORCH_COMPILE_KWARGS = "torch_compile_kwargs"  # where TorchCompileModel (set_torch_compile_wrapper) leaves its options
+COMPILED_HOOKS = "_multilora_compiled_hooks"  # on a bank: its hooks_made when torch.compile's caches were last reset
+
+
+def recompile_for_new_hooks(bank: SlotBank) -> None:
+    """On a model ComfyUI compiles (TorchCompileModel), reset torch.compile's caches when layers got hooks since the
+    last reset. torch.compile does not guard on a module's forward hooks: a graph traced before a layer got its
+    hook would keep running without it, and the stack's LoRAs would be missing from that layer, silently. The
+    reset makes the next run trace again, with every hook; slider moves, swaps and releases make no hook and
+    reset nothing."""
+    if bank.hooks_made == bank.__dict__.get(COMPILED_HOOKS, 0):
+        return
+    bank.__dict__[COMPILED_HOOKS] = bank.hooks_made
+    log.info("[MultiLoRA] the stack reaches layers of %s that had no hook when torch.compile traced it: "
+             "torch.compile's caches are reset, and the next run compiles again", bank.model_name)
+    torch.compiler.reset()
 
 
 def release_slots(root, why: str) -> None:

@@ -148,3 +148,30 @@ def test_a_lokr_applied_as_its_factors_compiles_as_a_dense_delta_does(tmp_path):
         change()
         check()
     assert counter.frame_count == 1
+
+
+def test_a_graph_traced_before_a_layer_got_its_hook_runs_until_a_reset_when_hooks_made_grows(tmp_path):
+    """torch.compile does not guard on forward hooks: an adapter that reaches a layer with no hook at the trace is
+    missing from that layer in the compiled output until the caches are reset. `hooks_made` counts the hooks made,
+    which is what a host that compiles watches (nodes/bridge.py resets on growth); swaps and releases make none."""
+    torch._dynamo.reset()
+    model = lf.tiny()
+    part = load_adapter(lf.write(tmp_path, "part.safetensors",
+                                 lf.lora_tensors(model, "kohya", 1, rank=2, layers=("proj",))), name="part")
+    full = load_adapter(lf.write(tmp_path, "full.safetensors", lf.lora_tensors(model, "kohya", 2, rank=2)),
+                        name="full")
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(part, 1.0)])
+    assert bank.hooks_made == 1
+    compiled, x = torch.compile(model, backend=testing.CompileCounter()), lf.tiny_input()
+    with torch.no_grad():
+        compiled(x)
+        bank.activate([(part, 1.0), (full, 1.0)])
+        assert bank.hooks_made == len(lf.LAYERS)
+        stale = (compiled(x) - model(x)).abs().max()
+        torch._dynamo.reset()
+        assert (compiled(x) - model(x)).abs().max() <= 1e-6
+    assert stale > 1e-2  # what a host that compiles must reset for
+    bank.activate([(full, 0.5)])
+    bank.activate([(part, 1.0)])
+    assert bank.hooks_made == len(lf.LAYERS)

@@ -23,6 +23,8 @@ loader (TorchCompileModel on CUDA), `clone(force_deepcopy=True)` on any device (
     sched         ours with a schedule `0:0, 1:1` on the first entry (the wrapper sets the progress per step)
     sched_fresh   sched.clone(force_deepcopy=True)
     base_after    base again, after all of them
+    compiled_*    TorchCompileModel's wrapper (backend "eager") on a clone of the base: sampled without a LoRA,
+                  then with the kohya file, then with the stack, each against the same uncompiled (`eager_*`)
     bank_at_load  the bank of another fresh clone of ours, as ComfyUI's load_models_gpu finds it in its sampling:
                   the stack is activated before ComfyUI measures the free memory for the load
 
@@ -217,6 +219,28 @@ class Run:
                         ("ours_fresh", "stock_fresh"), ("stock_fresh", "stock"), ("sched", "ours"),
                         ("sched_fresh", "sched"), ("base_after", "base"))}
 
+    def compiled(self) -> dict:
+        """TorchCompileModel's wrapper (`set_torch_compile_wrapper`, backend "eager": dynamo traces the model and
+        lowers nothing) on a clone of the base model, which samples first without a LoRA, so that the first graph
+        is traced with no hook; then with the kohya file; then with the stack, whose diffusers file reaches layers
+        the kohya file does not (norm_out, proj_out). torch.compile does not guard on forward hooks: each new
+        hook needs a new trace. Each compiled sample against the same stack sampled uncompiled."""
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+        compiled = self.base.clone()
+        set_torch_compile_wrapper(compiled, backend="eager")
+        layouts, strengths = zip(*ENTRIES)
+        s = {"base": self.sample(self.base), "compiled_base": self.sample(compiled),
+             "compiled_kohya": self.sample(self.ours(compiled, ["kohya"], [1.0])),
+             "eager_kohya": self.sample(self.ours(self.base, ["kohya"], [1.0])),
+             "compiled_ours": self.sample(self.ours(compiled, layouts, strengths)),
+             "eager_ours": self.sample(self.ours(self.base, layouts, strengths))}
+        s["compiled_base_after"] = self.sample(compiled)
+        self.torch.compiler.reset()
+        return {"eager_ours_max": s["eager_ours"].abs().max().item(),
+                **diffs(s, ("compiled_base", "base"), ("compiled_kohya", "eager_kohya"), ("eager_kohya", "base"),
+                        ("compiled_ours", "eager_ours"), ("eager_ours", "eager_kohya"),
+                        ("compiled_base_after", "base"))}
+
     def control(self) -> dict:
         from lora_engine import LoRAFormatError
         try:
@@ -351,7 +375,7 @@ def main() -> int:
     bridge = import_bridge()
     with tempfile.TemporaryDirectory(prefix="multilora-sampling-") as folder:
         run = Run(comfy, torch, bridge, folder)
-        result = {**run.clones(), **run.control(), **run.fill(), **run.inpaint(), **run.wan_i2v()}
+        result = {**run.clones(), **run.compiled(), **run.control(), **run.fill(), **run.inpaint(), **run.wan_i2v()}
         comfy.model_management.unload_all_models()
     return emit(result, args.out)
 

@@ -70,6 +70,21 @@ def test_the_base_model_is_left_as_it_was(result):
     assert result["base_after_vs_base"] == 0.0
 
 
+@pytest.mark.parametrize("effect", ["eager_kohya_vs_base", "eager_ours_vs_eager_kohya"])
+def test_each_compiled_effect_can_be_told_apart(result, effect):
+    assert result[effect] >= BASE_MARGIN * tol(result, "eager_ours"), f"{effect} = {result[effect]:.3g}"
+
+
+@pytest.mark.parametrize("measure", ["compiled_base_vs_base", "compiled_kohya_vs_eager_kohya",
+                                     "compiled_ours_vs_eager_ours", "compiled_base_after_vs_base"])
+def test_a_compiled_model_samples_every_layer_the_stack_reaches(result, measure):
+    """TorchCompileModel's graph, traced first without a LoRA, then with a stack that reaches layers with no hook at
+    the last trace: torch.compile does not guard on hooks, and before the bridge reset its caches the first
+    stack's LoRA was missing from the compiled sample altogether (0.017 off, its whole effect) and the second
+    stack's norm_out and proj_out (1.1 off)."""
+    assert result[measure] <= tol(result, "eager_ours"), f"{measure} = {result[measure]:.3g}"
+
+
 def test_a_control_lora_is_refused_naming_the_layer_and_the_remedy(result):
     message = result["control_refusal"]
     assert message is not None, "the control LoRA was loaded"
