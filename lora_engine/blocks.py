@@ -110,8 +110,13 @@ class BlockWeights:
                 if key not in _PREFIX and key not in ("DEFAULT", "BASE", *(g for g, _, _ in _GROUPS)):
                     raise ShapingError(f"block weight {shown(part.strip())}: unknown block name {shown(m[1])}; use "
                                        "IN, MID, OUT, D, S, B (with a number), a group name, BASE or default")
+                if any(g is not None and len(g) > 3 for g in (m[2], m[3])):
+                    raise ShapingError(f"block weight {shown(part.strip())}: no model has a block numbered that high")
                 lo = int(m[2]) if m[2] is not None else None
                 hi = int(m[3]) if m[3] is not None else lo
+                if lo is not None and hi < lo:
+                    raise ShapingError(f"block weight {shown(part.strip())}: the range runs backwards; write "
+                                       f"{key}{hi:02d}-{lo:02d}")
                 items.append((key, lo, hi, _weight(m[4], part)))
             return cls(s, "named", tuple(items))
         body = s.split(":", 1)[1] if re.match(r"^[^,:]*[A-Za-z][^,:]*:", s) else s

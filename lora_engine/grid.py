@@ -41,7 +41,10 @@ def parse_values(text: str, axis: str = "axis") -> list[float]:
         raise GridError(f"{axis}: no values; write e.g. '0, 0.5, 1' or '0:1:0.25' or '0..1/5'")
     m = re.fullmatch(r"\s*([-+0-9.eE]+)\s*\.\.\s*([-+0-9.eE]+)\s*/\s*(\d+)\s*", s)
     if m:
-        a, b, n = _strength(m[1], axis, s), _strength(m[2], axis, s), int(m[3])
+        a, b = _strength(m[1], axis, s), _strength(m[2], axis, s)
+        if len(m[3]) > 4:  # int() refuses more than 4300 digits
+            raise GridError(f"{axis}: the count in {shown(s)} must be between 1 and {MAX_VALUES}")
+        n = int(m[3])
         if n < 1 or n > MAX_VALUES:
             raise GridError(f"{axis}: count {n} in {shown(s)} must be between 1 and {MAX_VALUES}")
         return [a] if n == 1 else [a + (b - a) * i / (n - 1) for i in range(n)]
@@ -52,7 +55,10 @@ def parse_values(text: str, axis: str = "axis") -> list[float]:
         a, b, step = (_strength(p, axis, s) for p in parts)
         if step == 0 or (b - a) / step < 0:
             raise GridError(f"{axis}: step {step:g} in {shown(s)} never reaches {b:g}")
-        n = int(math.floor((b - a) / step + 1e-9)) + 1
+        span = (b - a) / step  # inf for a step of 1e-320
+        if span >= MAX_VALUES:
+            raise GridError(f"{axis}: {shown(s)} gives more than {MAX_VALUES} values; at most {MAX_VALUES}")
+        n = int(math.floor(span + 1e-9)) + 1
         if n > MAX_VALUES:
             raise GridError(f"{axis}: {shown(s)} gives {n} values; at most {MAX_VALUES}")
         return [round(a + i * step, 10) for i in range(n)]
@@ -111,9 +117,10 @@ def find_entry(names: list[str], ref: str, axis: str) -> int:
     """A stack entry by name, by name without extension, or by 1-based position (`2` or `#2`)."""
     ref = (ref or "").strip()
     if re.fullmatch(r"#?\d+", ref):
-        i = int(ref.lstrip("#"))
+        digits = ref.lstrip("#")
+        i = int(digits) if len(digits) <= 9 else 0  # int() refuses more than 4300 digits
         if not 1 <= i <= len(names):
-            raise GridError(f"{axis}: entry #{i} does not exist; the stack has {len(names)} entries")
+            raise GridError(f"{axis}: entry {shown(ref)} does not exist; the stack has {len(names)} entries")
         return i - 1
     stems = [n.rsplit("/", 1)[-1].rsplit("\\", 1)[-1].rsplit(".", 1)[0] for n in names]
     for candidates in (names, stems):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import unicodedata
 
 import numpy as np
 import torch
@@ -225,6 +226,12 @@ def _wrap(font, text: str, width: float) -> list[str]:
     return lines + [line]
 
 
+def _printable(text: str) -> str:
+    """`text` with its control characters written as escapes (a file name may hold a newline, which Pillow's
+    layout cannot draw)."""
+    return "".join(ascii(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in text)
+
+
 def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     """The grid as an [H, W, 3] float array in 0..1. The header (axes, and the entries held fixed) widens the image
     past its cells up to `HEADER_EMS` font sizes, and wraps there; every label is cut to its cell."""
@@ -234,12 +241,13 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     size = max(12, min(24, w // 10))
     font = _font(size)  # the values on the axes: numbers, or block weights and schedules in ASCII
     pad = size // 2
-    ylabels = [_label(v) for v in axes[1]["values"]] if axes[1] else []
+    ylabels = [_printable(_label(v)) for v in axes[1]["values"]] if axes[1] else []
     left = (int(min(max(font.getlength(t) for t in ylabels), size * 14)) + pad if ylabels else 0) + pad
     line = size + pad
     varied = {a["entry"] for a in desc["axes"] if a.get("kind", "strength") == "strength"}
-    fixed = [f"{n} @ {_label(s)}" for i, (n, s) in enumerate(zip(desc["names"], desc["base"])) if i not in varied]
-    title = "  |  ".join(f"{a.get('axis') or k}: {a['label']}" for k, a in zip(AXES, desc["axes"]))
+    fixed = [_printable(f"{n} @ {_label(s)}") for i, (n, s) in enumerate(zip(desc["names"], desc["base"]))
+             if i not in varied]
+    title = _printable("  |  ".join(f"{a.get('axis') or k}: {a['label']}" for k, a in zip(AXES, desc["axes"])))
     texts = [(t, _font_for(t, size)) for t in [title] + ([("fixed: " + ", ".join(fixed))] if fixed else [])]
     widest = max(f.getlength(t) for t, f in texts)
     width = max(left + x * w + pad, math.ceil(min(widest, HEADER_EMS * size)) + 2 * pad)
@@ -255,13 +263,13 @@ def render(desc: dict, cells: torch.Tensor) -> np.ndarray:
     for k in range(z):
         oy = top + k * (panel_h + (line if axes[2] else 0))
         if axes[2]:
-            text = f"{axes[2]['label']} = {_label(axes[2]['values'][k])}"
+            text = _printable(f"{axes[2]['label']} = {_label(axes[2]['values'][k])}")
             f = _font_for(text, size)
             draw.text((pad, oy), _fit(f, text, width - 2 * pad), fill="black", font=f)
             oy += line
         for i in range(x):
-            draw.text((left + i * w + pad, oy), _fit(font, _label(axes[0]['values'][i]), w - pad), fill="black",
-                      font=font)
+            label = _printable(_label(axes[0]["values"][i]))
+            draw.text((left + i * w + pad, oy), _fit(font, label, w - pad), fill="black", font=font)
         for j in range(y):
             if axes[1]:
                 draw.text((pad, oy + line + j * h + h // 2 - size // 2), _fit(font, ylabels[j], left - pad),

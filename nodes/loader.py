@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
+
+from lora_engine.errors import shown
+
 from . import bridge
 from .stack import CATEGORY, StackError, entries
 
@@ -37,6 +41,10 @@ class MultiLoRALoader:
         }
 
     def apply(self, model, lora_stack, clip=None, max_loras=0):
+        # A linked value skips ComfyUI's range check: 10**6 slots would ask for terabytes.
+        if isinstance(max_loras, bool) or not isinstance(max_loras, numbers.Integral) or not 0 <= max_loras <= 64:
+            raise ValueError(f"max_loras of MultiLoRALoader must be a whole number from 0 to 64 (0: as many slots "
+                             f"as the stack has LoRAs), got {shown(max_loras)}")
         try:
             items = entries(lora_stack)
         except StackError as e:

@@ -32,7 +32,7 @@ from .stack import (
     as_stack,
     entries,
     is_blank,
-    is_strength,
+    strength_error,
 )
 
 MAX_ROWS = 12
@@ -58,8 +58,8 @@ def row_inputs(i: int, names: list[str]) -> dict:
 
 
 def _number(i: int, field: str, name: str, v: object) -> float:
-    if not is_strength(v):
-        raise StackError(f"row {i} ({name}): {field}_{i} must be a finite number, got {shown(v)}")
+    if (problem := strength_error(v)) is not None:
+        raise StackError(f"row {i} ({name}): {field}_{i} {problem}")
     return float(v)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass, replace
 
 from lora_engine.blocks import BlockWeights
@@ -62,6 +63,20 @@ def is_strength(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
+STRENGTH_LIMIT = 100.0  # the largest |strength|, as every strength widget of the pack allows
+
+
+def strength_error(v: object) -> str | None:
+    """Why `v` is not a usable strength ("must be ..." / "... is outside ..."), or None. ComfyUI checks a widget's
+    range, but not a linked value's nor one inside another pack's stack: a strength of 1e30 samples a black
+    image."""
+    if not is_strength(v):
+        return f"must be a finite number, got {shown(v)}"
+    if abs(v) > STRENGTH_LIMIT:
+        return f"= {float(v):g} is outside -100..100"
+    return None
+
+
 NONE = "None"  # the name of an empty row or entry, as ComfyUI's pickers and other packs' stacks write it
 
 
@@ -88,8 +103,8 @@ def entries(stack) -> list[Entry]:
         if not isinstance(name, str):
             raise StackError(f"lora_stack entry {i}: lora_name must be a string, got {shown(name)}")
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
-            if not is_strength(v):
-                raise StackError(f"lora_stack entry {i} ({name}): {field} must be a finite number, got {shown(v)}")
+            if (problem := strength_error(v)) is not None:
+                raise StackError(f"lora_stack entry {i} ({name}): {field} {problem}")
         schedule, blocks = getattr(item, "schedule", None), getattr(item, "blocks", None)
         out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, Schedule) else None,
                          blocks if isinstance(blocks, BlockWeights) else None))
@@ -158,8 +173,8 @@ class LoRAStack:
 def finite_strength(v: object, field: str, name: str) -> float:
     """A node's strength input as a float: a NaN passes ComfyUI's min and max checks, and a linked one none at
     all."""
-    if not is_strength(v):
-        raise ValueError(f"{field} of {name} must be a finite number, got {shown(v)}")
+    if (problem := strength_error(v)) is not None:
+        raise ValueError(f"{field} of {name} {problem}")
     return float(v)
 
 
@@ -171,7 +186,11 @@ def parse_json_stack(text: str) -> list[Entry]:
     try:
         doc = json.loads(text) if text.strip() else []
     except json.JSONDecodeError as e:
-        raise StackError(f"stack_json is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        hint = ""
+        if re.match(r"\s*\[?\s*\{\s*'", text):  # ComfyUI passes an object sent in an API prompt on as its Python repr
+            hint = ("; in an API prompt, send stack_json as a string holding the JSON (json.dumps of the stack), "
+                    "not as an object")
+        raise StackError(f"stack_json is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}{hint}") from None
     except RecursionError:
         raise StackError("stack_json is not valid JSON: nested too deeply") from None
     except ValueError:  # an integer of more digits than Python converts (4300 by default)

@@ -59,8 +59,19 @@ def test_entry_by_name_stem_and_position():
         find_entry(NAMES, "ink", "x")
     with pytest.raises(GridError, match="no stack entry named 'nope'"):
         find_entry(NAMES, "nope", "x")
-    with pytest.raises(GridError, match="#4 does not exist"):
+    with pytest.raises(GridError, match="entry '#4' does not exist"):
         find_entry(NAMES, "#4", "x")
+    with pytest.raises(GridError, match="does not exist; the stack has 3 entries"):
+        find_entry(NAMES, "#" + "9" * 5000, "x")  # more digits than int() reads
+
+
+@pytest.mark.parametrize("text,message", [
+    ("0:1:1e-320", "gives more than 64 values"),  # (b - a) / step is inf
+    ("0..1/" + "9" * 5000, "the count in"),  # more digits than int() reads
+])
+def test_values_past_any_limit_are_grid_errors(text, message):
+    with pytest.raises(GridError, match=message):
+        parse_values(text, "x_values")
 
 
 def test_cells_strengths_and_chunks():

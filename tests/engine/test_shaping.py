@@ -101,6 +101,7 @@ def test_wrong_vector_length_names_both_layouts():
 @pytest.mark.parametrize("text, words", [
     ("IN99=0", "names no block"), ("FOO=1", "unknown block name"), ("A,1,1", "not supported"),
     ("1 0.5,1", "not supported"), ("IN=x", "NAME=value"), ("SD-ALL", "does not exist"), ("", "empty"),
+    ("IN04-01=0", "runs backwards; write IN01-04"), ("IN" + "5" * 5000 + "=0", "no model has a block numbered"),
 ])
 def test_malformed_block_weights(text, words):
     with pytest.raises(ShapingError, match=words):

@@ -104,6 +104,15 @@ def json_stack_from_string_node(ours, names):
     return p
 
 
+def linked(prompt, node, field, class_type, value):
+    """`prompt` with `node`'s input `field` linked to a ComfyUI primitive node holding `value`, which ComfyUI does
+    not range-check against `field`'s widget."""
+    p = copy.deepcopy(prompt)
+    p["42"] = {"class_type": class_type, "inputs": {"value": value}}
+    p[node]["inputs"][field] = ["42", 0]
+    return p
+
+
 EXECUTION_ERRORS = [
     # (case, prompt maker, the texts the message must contain)
     ("truncated", lambda o: with_first_entry(o, "bad_truncated.safetensors"), ["bad_truncated.safetensors", "truncated"]),
@@ -140,6 +149,12 @@ EXECUTION_ERRORS = [
      ["(LoRAStackFromJSON) raised", "not valid JSON", "nested too deeply"]),
     ("JSON integer of 5000 digits through a linked string", lambda o: json_stack(o, LONG_INT, linked=True),
      ["(LoRAStackFromJSON) raised", "not valid JSON: a number has more digits"]),
+    # A strength of 1e6 sampled a black image; max_loras = 10**6 failed in another node asking for 98 GB.
+    ("strength past 100 through a linked number",
+     lambda o: linked(o, GOOD_NODE, "strength_model", "PrimitiveFloat", 1e6),
+     [f"node {GOOD_NODE} (LoRAStack) raised", "strength_model", GOOD, "1e+06 is outside -100..100"]),
+    ("max_loras past 64 through a linked number", lambda o: linked(o, LOADER, "max_loras", "PrimitiveInt", 10**6),
+     ["(MultiLoRALoader) raised", "max_loras of MultiLoRALoader must be a whole number from 0 to 64", "1000000"]),
 ]
 
 
@@ -174,6 +189,8 @@ VALIDATION_ERRORS = [
     ("json nested too deeply", lambda o: json_stack(o, DEEP_JSON, linked=False), "not valid JSON: nested too deeply"),
     ("json integer of 5000 digits", lambda o: json_stack(o, LONG_INT, linked=False),
      "not valid JSON: a number has more digits"),
+    ("json sent as an object", lambda o: json_stack(o, {"name": GOOD}, linked=False),
+     "send stack_json as a string holding the JSON"),
 ]
 
 

@@ -10,6 +10,7 @@ must match its batch-1 run within 3× that floor.
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 
 import numpy as np
@@ -183,3 +184,17 @@ def test_a_cjk_lora_name_is_drawn_with_its_glyphs(server, grid_prompt, models_di
         p["2"]["inputs"]["lora_name"] = name
         titles.append(server.run(p)[0][:24])  # the first title line
     assert mad(titles[0], titles[1]) > 0
+
+
+@pytest.mark.skipif(os.name == "nt", reason="a newline cannot be part of a file name on Windows")
+def test_a_lora_name_with_a_newline_is_drawn_escaped(server, grid_prompt, grid_run, models_dir):
+    """ComfyUI lists such a file and the stack loads it; Pillow's text layout refused the raw name, which failed
+    the grid image after every cell was sampled."""
+    name = "new\nline.safetensors"
+    shutil.copyfile(models_dir / "loras" / STYLE, models_dir / "loras" / name)
+    p = copy.deepcopy(grid_prompt)
+    p["2"]["inputs"]["lora_name"] = name
+    images = server.run(p)
+    assert images[0].shape[0] >= grid_run[0].shape[0]
+    for a, b in zip(images[1:], grid_run[1]):
+        assert np.array_equal(a, b)
