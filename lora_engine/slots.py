@@ -108,7 +108,9 @@ class SlotBank:
         self._item_strengths: torch.Tensor | None = None
         self.scale = self._strengths
         self._table = torch.zeros(max_loras)  # unscheduled strengths on the host, [N] or [batch, N]
+        self._requested: dict[int, Strength] = {}  # each held slot's strength as its activation gave it
         self._call_table: torch.Tensor | None = None  # `set_items`: [batch, N], in place of the table until reset
+        self._items: dict[int, list[float]] | None = None  # `set_items`' rows by slot (NaN: the slot's own)
         self._seen: torch.Tensor | None = None  # [N]: each slot's largest |strength| since `set_items` began
         self._schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
         self.progress = 0.0
@@ -185,7 +187,7 @@ class SlotBank:
             self._table = torch.cat([self._table, self._table.new_zeros(*self._table.shape[:-1], extra)], -1)
             self._strengths = torch.zeros(max_loras, dtype=self.dtype, device=self.device)
             self._item_strengths = None
-            self._call_table = self._seen = None
+            self._call_table = self._seen = self._items = None
             if self._weights_key is not None:
                 self._set_layer_weights(*self._weights_key)
             self._live_key = None
@@ -258,7 +260,7 @@ class SlotBank:
             slot_of = {j: self._slot_of(a) for j, a in enumerate(wanted)}
             self._schedules = {slot_of[j]: e.schedule for j, e in enumerate(merged.values())
                                if e.schedule is not None}
-            weights = {slot_of[j]: e.layer_weights for j, e in enumerate(merged.values())
+            weights = {slot_of[j]: _snapshot(e.layer_weights) for j, e in enumerate(merged.values())
                        if e.layer_weights is not None}
             weights_key = (weights, batch if weights else None)
             if copied or weights_key != self._weights_key:  # a newcomer may have brought new layers
@@ -269,6 +271,7 @@ class SlotBank:
                 self._live_key = None  # slots and layers changed: find the live slots again
             self._set_strengths({slot_of[j]: strengths[:, j] if batch is not None else strengths[j]
                                  for j in range(len(wanted))}, batch=batch)
+            self._requested = {slot_of[j]: e.strength for j, e in enumerate(merged.values())}
             self.active = True
             self._prune_bindings()
             self.copies += len(copied)
@@ -298,6 +301,7 @@ class SlotBank:
         `ShapingError`) where the activation itself gave per-item values (a strength grid's batch)."""
         with self.lock:
             if rows is None:
+                self._items = None
                 if self._call_table is not None:
                     self._call_table = None
                     self._push()  # the slots live in the tables set stay live: the next call may set them again
@@ -314,10 +318,8 @@ class SlotBank:
             batch = {len(v) for v in columns.values()}
             if len(batch) != 1 or 0 in batch:
                 raise LoRAShapeError(f"per-item strengths of different lengths ({sorted(batch)})")
-            table = self._table.expand(batch.pop(), self.max_loras).clone()
-            for slot, values in columns.items():
-                v = torch.tensor(values)
-                table[:, slot] = torch.where(v.isnan(), table[:, slot], v)
+            self._items = columns
+            table = self._items_table()
             if self._call_table is not None and torch.equal(table, self._call_table):
                 return
             if self._seen is None:
@@ -327,15 +329,37 @@ class SlotBank:
 
     @_state_writes
     def set_strength(self, adapter: Adapter, value: Strength) -> None:
-        """Change one resident adapter's strength: a tensor write, nothing else."""
+        """Change one resident adapter's strength (a number, or one per batch item) to what an activation of the
+        same set with this strength gives: a tensor write. The others keep the strengths their activation gave
+        them, the schedules their progress, and `set_items`' per-item strengths stay set. Raises before anything
+        changes where the strengths would not fit: per-item lengths that differ from each other or from the
+        schedules' and layer weights', or per-item strengths while `set_items`' are set."""
         with self.lock:
             slot = self._slot_of(adapter)
-            table = {i: (self._table[:, i] if self._table.dim() == 2 else self._table[i]).clone()
-                     for i, a in enumerate(self.slots) if a is not None}
-            t = _strength_table([value])
-            table[slot] = t[:, 0] if t.dim() == 2 else t[0]
-            batch = next((v.shape[0] for v in table.values() if v.dim() == 1), None)
-            self._set_strengths(table, batch)
+            requested = {**self._requested, slot: value}
+            held = sorted(requested)
+            strengths = _strength_table([requested[s] for s in held])
+            batch = strengths.shape[0] if strengths.dim() == 2 else None
+            if batch is not None:
+                weights = self._weights_key[0] if self._weights_key is not None else {}
+                sizes = {len(v) for v in (*self._schedules.values(), *weights.values()) if isinstance(v, tuple)}
+                if sizes - {batch}:
+                    raise ShapingError(f"{batch} per-item strengths, but the schedules or block weights have "
+                                       f"{sorted(sizes)[0]} per item", path=adapter.path)
+                if self._items is not None:
+                    raise ShapingError("per-item strengths cannot be set while set_items' are", path=adapter.path,
+                                       remedy="call set_items(None) first")
+            self._requested = requested
+            if self._weights_key is not None and self._weights_key[0] and self._weights_key[1] != batch:
+                self._weights_key = (self._weights_key[0], batch)
+                self._set_layer_weights(*self._weights_key)
+            table = torch.zeros((self.max_loras,) if batch is None else (batch, self.max_loras))
+            for j, s in enumerate(held):
+                table[..., s] = strengths[..., j]
+            self._table = table
+            if self._items is not None:
+                self._call_table = self._items_table()
+            self._push()
 
     def deactivate(self) -> None:
         """Hooks become no-ops; slots stay warm for the next activation."""
@@ -358,6 +382,7 @@ class SlotBank:
                 layer.handle.remove()
             self.layers.clear()
             self.slots = [None] * self.max_loras
+            self._requested, self._items = {}, None
             self._bindings.clear()
             self._live_key = self._weights_key = None
             self.active = False
@@ -428,8 +453,9 @@ class SlotBank:
         for i, (was, now) in enumerate(zip(previous, self.slots)):
             if was is not now:
                 table[..., i] = 0.0
+                self._requested[i] = 0.0
         self._table = table
-        self._call_table = self._seen = None
+        self._call_table = self._seen = self._items = None
         self._live_key = None
         self._push()
 
@@ -446,13 +472,22 @@ class SlotBank:
             layer.clear(slot)
         self.slots[slot] = None
 
+    def _items_table(self) -> torch.Tensor:
+        """`set_items`' table: its rows over the activation's strengths."""
+        batch = len(next(iter(self._items.values())))
+        table = self._table.expand(batch, self.max_loras).clone()
+        for slot, values in self._items.items():
+            v = torch.tensor(values)
+            table[:, slot] = torch.where(v.isnan(), table[:, slot], v)
+        return table
+
     def _set_strengths(self, table: dict[int, torch.Tensor], batch: int | None) -> None:
         shape = (self.max_loras,) if batch is None else (batch, self.max_loras)
         values = torch.zeros(shape, dtype=torch.float32)
         for i, v in table.items():
             values[..., i] = v
         self._table = values
-        self._call_table = self._seen = None
+        self._call_table = self._seen = self._items = None
         self.progress = 0.0
         self._push()
 
@@ -564,6 +599,14 @@ def merge(entries: Iterable[Entry | tuple[Adapter, Strength]]) -> dict[int, Entr
 
 def _add_strength(a: Strength, b: Strength) -> torch.Tensor:
     return torch.as_tensor(a, dtype=torch.float32) + torch.as_tensor(b, dtype=torch.float32)
+
+
+def _snapshot(weights: LayerWeights | tuple[LayerWeights | None, ...]) -> dict | tuple:
+    """A copy of an entry's layer weights, so that a caller's mapping edited in place and activated again is seen
+    as new weights."""
+    if isinstance(weights, tuple):
+        return tuple(None if w is None else dict(w) for w in weights)
+    return dict(weights)
 
 
 def _check_items(entries: list[Entry], batch: int | None) -> None:

@@ -6,7 +6,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from lora_engine import LoRAShapeError, NonFiniteError, SlotBank, SlotLimitError, load_adapter
+from lora_engine import Entry, LoRAShapeError, NonFiniteError, Schedule, SlotBank, SlotLimitError, load_adapter
+from lora_engine.errors import ShapingError
 
 from . import lora_files as lf
 
@@ -866,3 +867,64 @@ def test_strengths_set_under_inference_mode_can_change_outside_it(adapters):
     c = adapters[2]
     bank.activate([(c, 0.7)])  # a swap: a slot released, a newcomer written into it
     assert (run(model, x) - solo([(c, 0.7)], x)).abs().max() <= TOL
+
+
+def test_set_strength_changes_one_strength_and_keeps_the_progress_and_set_items(adapters):
+    """As an activation of the same set at the new strength would give, with the schedule still at its progress and
+    `set_items`' per-item strengths still set (both were reset to their start before)."""
+    a, b = adapters[:2]
+    x = lf.tiny_input(batch=1).repeat(2, 1, 1, 1)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([Entry(a, 1.0, Schedule.parse("0:1, 1:0")), (b, 0.5)])  # a's multiplier: 1 - progress
+    bank.set_progress(0.75)
+    bank.set_strength(b, 0.4)
+    assert (run(model, x) - solo([(a, 0.25), (b, 0.4)], x)).abs().max() <= TOL
+    bank.set_items({a: [None, 2.0]})  # item 1: a at 2.0 times the schedule's 0.25
+    bank.set_strength(b, -0.3)
+    got = run(model, x)
+    assert (got[0] - solo([(a, 0.25), (b, -0.3)], x[:1])[0]).abs().max() <= TOL
+    assert (got[1] - solo([(a, 0.5), (b, -0.3)], x[:1])[0]).abs().max() <= TOL
+
+
+def test_set_strength_from_per_item_to_one_strength_leaves_per_item_mode(adapters):
+    a, b = adapters[:2]
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([(a, [0.1, 0.2, 0.3]), (b, 0.5)])
+    bank.set_strength(a, 1.0)
+    x = lf.tiny_input(batch=1)
+    assert (run(model, x) - solo([(a, 1.0), (b, 0.5)], x)).abs().max() <= TOL  # a batch of 1 runs
+    bank.set_items({a: [0.0, 1.0]})  # refused while the strengths were per item
+
+
+@pytest.mark.parametrize("value,error", [([0.1, 0.2], ShapingError), (float("nan"), NonFiniteError)])
+def test_set_strength_that_does_not_fit_changes_nothing(adapters, value, error):
+    """Per-item schedules for 3 items: strengths for 2 do not fit them. Refused before any change (the table was
+    replaced before, and every later call failed)."""
+    a, b = adapters[:2]
+    x = lf.tiny_input(batch=1).repeat(3, 1, 1, 1)
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    bank.activate([Entry(a, 1.0, tuple(Schedule.parse(f"0:{m}") for m in (1.0, 0.5, 0.0))), (b, 0.5)])
+    before = run(model, x)
+    with pytest.raises(error):
+        bank.set_strength(b, value)
+    assert torch.equal(run(model, x), before)
+    bank.set_progress(0.5)
+    bank.set_strength(b, 0.25)
+    assert (run(model, x)[1] - solo([(a, 0.5), (b, 0.25)], x[:1])[0]).abs().max() <= TOL
+
+
+def test_layer_weights_edited_in_place_and_activated_again_take_effect(adapters):
+    a = adapters[0]
+    x = lf.tiny_input()
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=1)
+    weights = {"ff": 0.0}
+    bank.activate([Entry(a, 1.0, layer_weights=weights)])
+    weights.update({"ff": 1.0, "head": 0.0})
+    bank.activate([Entry(a, 1.0, layer_weights=weights)])
+    ref = lf.tiny()
+    SlotBank(ref, max_loras=1).activate([Entry(a, 1.0, layer_weights={"head": 0.0})])
+    assert (run(model, x) - run(ref, x)).abs().max() <= TOL
