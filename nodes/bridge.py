@@ -73,9 +73,11 @@ def resolve(folder: str, name: object, *, show_folders: bool = True) -> str:
     the directories searched unless `show_folders` is False. Nothing is opened before the checks pass."""
     _check_relative(name, folder)
     roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths(folder)]
+    other = False  # the name is there, but not as a regular file
     for d in folder_paths.get_folder_paths(folder):
         candidate = os.path.join(d, name)
         if not os.path.isfile(candidate):
+            other = other or os.path.lexists(candidate)
             continue
         real = os.path.realpath(candidate)
         if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
@@ -83,6 +85,10 @@ def resolve(folder: str, name: object, *, show_folders: bool = True) -> str:
                                 path=name, remedy=f"place the file inside a {folder} folder")
         return real
     searched = f" ({', '.join(roots)})" if show_folders else ""
+    if other:
+        raise LoRAFileError(f"{name!r} in the {folder} folders{searched} is not a regular file (a directory, a FIFO "
+                            "or a device, or a symlink to one of these, to nowhere or in a loop)", path=name,
+                            remedy="put the .safetensors file itself there")
     raise LoRAFileError(f"no file named {name!r} in the {folder} folders{searched}", path=name,
                         remedy="check the name, or refresh the node list after adding the file")
 

@@ -56,6 +56,9 @@ def bad_files(models_dir, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside") / "escaped.safetensors"
     outside.write_bytes(good)
     os.symlink(outside, loras / "bad_symlink_escape.safetensors")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(loras / "bad_fifo.safetensors")  # opening it to read would block until a writer comes
+    os.symlink("bad_loop.safetensors", loras / "bad_loop.safetensors")
     return loras
 
 
@@ -141,6 +144,11 @@ EXECUTION_ERRORS = [
      ["longer than"]),
     ("missing file through a linked string", lambda o: json_stack_from_string_node(o, ["nope.safetensors"]),
      ["nope.safetensors", "no file named"]),
+    ("a symlink in a loop through a linked string",
+     lambda o: json_stack_from_string_node(o, ["bad_loop.safetensors"]),
+     ["bad_loop.safetensors", "is not a regular file"]),
+    *([("a FIFO through a linked string", lambda o: json_stack_from_string_node(o, ["bad_fifo.safetensors"]),
+        ["bad_fifo.safetensors", "is not a regular file"])] if hasattr(os, "mkfifo") else []),
     ("a BFL control LoRA without its B factors", lambda o: with_first_entry(o, "bad_half_control.safetensors"),
      ["bad_half_control.safetensors", "key converter", "KeyError", "img_in.lora_B.weight"]),
     ("NaN strength", lambda o: wf.set_entry(o, GOOD, strength_model=float("nan")),
