@@ -187,30 +187,24 @@ def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
     assert not called
 
 
-def test_wrong_shape_names_file_key_and_layer(tmp_path):
-    t = lf.lora_tensors(lf.tiny(), "kohya", 1)
-    t["lora_unet_proj.lora_down.weight"] = torch.zeros(3, 100)  # proj takes 96 (fewer: test_widened.py)
+@pytest.mark.parametrize("make,key,value,texts", [
+    # proj takes 96 inputs (fewer: test_widened.py)
+    (lambda m: lf.lora_tensors(m, "kohya", 1), "lora_unet_proj.lora_down.weight", torch.zeros(3, 100),
+     ["lora_unet_proj", "(3, 100)", "'proj'"]),
+    # proj has 16 outputs
+    (lambda m: lf.oft_tensors(m, 1), "lora_unet_proj.oft_blocks", torch.zeros(5, 4, 4),
+     ["'lora_unet_proj'", "(5, 4, 4) rotate 20 output rows", "'proj' has 16"]),
+], ids=["lora", "oft"])
+def test_wrong_shape_names_file_key_and_layer(tmp_path, make, key, value, texts):
+    t = make(lf.tiny())
+    t[key] = value
     adapter = load_adapter(lf.write(tmp_path, "shape.safetensors", t))
     model = lf.tiny()
     bank = SlotBank(model)
     with pytest.raises(LoRAShapeError) as e:
         bank.activate([(adapter, 1.0)])
     msg = str(e.value)
-    assert "shape.safetensors" in msg and "lora_unet_proj" in msg and "(3, 100)" in msg and "'proj'" in msg
-    assert bank.slots == [None] * bank.max_loras and not bank.layers
-
-
-def test_oft_blocks_of_another_size_name_file_key_and_layer(tmp_path):
-    t = lf.oft_tensors(lf.tiny(), 1)
-    t["lora_unet_proj.oft_blocks"] = torch.zeros(5, 4, 4)  # proj has 16 outputs
-    adapter = load_adapter(lf.write(tmp_path, "oft.safetensors", t))
-    model = lf.tiny()
-    bank = SlotBank(model)
-    with pytest.raises(LoRAShapeError) as e:
-        bank.activate([(adapter, 1.0)])
-    msg = str(e.value)
-    assert "oft.safetensors" in msg and "'lora_unet_proj'" in msg and "(5, 4, 4) rotate 20 output rows" in msg
-    assert "'proj' has 16" in msg
+    assert "shape.safetensors" in msg and all(text in msg for text in texts), msg
     assert bank.slots == [None] * bank.max_loras and not bank.layers
 
 

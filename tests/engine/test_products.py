@@ -24,9 +24,10 @@ def kron_reference(w1: torch.Tensor, w2: torch.Tensor, shape: torch.Size) -> tor
     return d.reshape(shape[0], shape[1], *shape[2:])
 
 
-def lokr_low_rank_w1(model, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """LoKr with w1 as a low-rank pair (lokr_w1_a, lokr_w1_b; alpha/rank applies) and a full w2; and its ΔW per
-    layer."""
+def lokr_low_rank_w1(model, seed: int, w2_rank: int | None = None, alpha: float = 0.5
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """LoKr with w1 as a low-rank pair of rank 1 (lokr_w1_a, lokr_w1_b; alpha/rank applies) and a full w2, or with
+    `w2_rank` a low-rank w2 of that rank (alpha over its rank); and its ΔW per layer."""
     g = torch.Generator().manual_seed(seed)
     tensors, deltas = {}, {}
     for name, shape in lf.weight_shapes(model).items():
@@ -34,10 +35,16 @@ def lokr_low_rank_w1(model, seed: int) -> tuple[dict[str, torch.Tensor], dict[st
         a, b = (2 if o % 2 == 0 else 1), (2 if i % 2 == 0 else 1)
         p = "lora_unet_" + name.replace(".", "_")
         w1a, w1b = torch.randn(a, 1, generator=g), torch.randn(1, b, generator=g)
-        w2 = torch.randn(o // a, i // b, *shape[2:], generator=g) * 0.3
-        tensors.update({f"{p}.lokr_w1_a": w1a, f"{p}.lokr_w1_b": w1b, f"{p}.lokr_w2": w2,
-                        f"{p}.alpha": torch.tensor(0.5)})
-        deltas[name] = kron_reference(w1a @ w1b, w2, shape) * 0.5
+        tensors.update({f"{p}.lokr_w1_a": w1a, f"{p}.lokr_w1_b": w1b, f"{p}.alpha": torch.tensor(alpha)})
+        if w2_rank is None:
+            w2 = torch.randn(o // a, i // b, *shape[2:], generator=g) * 0.3
+            tensors[f"{p}.lokr_w2"] = w2
+        else:
+            w2a = torch.randn(o // a, w2_rank, generator=g) * 0.3
+            w2b = torch.randn(w2_rank, (i // b) * shape[2:].numel(), generator=g)
+            tensors.update({f"{p}.lokr_w2_a": w2a, f"{p}.lokr_w2_b": w2b})
+            w2 = w2a @ w2b
+        deltas[name] = kron_reference(w1a @ w1b, w2, shape) * (alpha / (w2_rank or 1))
     return tensors, deltas
 
 
@@ -78,17 +85,7 @@ def test_a_lokr_whose_factors_have_different_ranks_takes_alpha_over_w2s(tmp_path
     """Both factors low-rank, of ranks 1 and 2 (LyCORIS writes one rank for both): alpha / rank(w2), as ComfyUI's
     LoraLoader reads it; alpha / rank(w1) would double the delta."""
     model, x = lf.tiny(), lf.tiny_input()
-    g = torch.Generator().manual_seed(4)
-    tensors, deltas = {}, {}
-    for name, shape in lf.weight_shapes(model).items():
-        o, i = shape[0], shape[1]
-        a, b = (2 if o % 2 == 0 else 1), (2 if i % 2 == 0 else 1)
-        p = "lora_unet_" + name.replace(".", "_")
-        w1a, w1b = torch.randn(a, 1, generator=g), torch.randn(1, b, generator=g)
-        w2a, w2b = torch.randn(o // a, 2, generator=g), torch.randn(2, (i // b) * shape[2:].numel(), generator=g)
-        tensors.update({f"{p}.lokr_w1_a": w1a, f"{p}.lokr_w1_b": w1b, f"{p}.lokr_w2_a": w2a * 0.3,
-                        f"{p}.lokr_w2_b": w2b, f"{p}.alpha": torch.tensor(1.0)})
-        deltas[name] = kron_reference(w1a @ w1b, (w2a * 0.3) @ w2b, shape) * 0.5
+    tensors, deltas = lokr_low_rank_w1(model, 4, w2_rank=2, alpha=1.0)
     adapter = load_adapter(lf.write(tmp_path, "lokr.safetensors", tensors), pin=False)
     SlotBank(model, max_loras=1).activate([(adapter, 0.8)])
     expected = run(fused(deltas, 0.8), x)

@@ -130,18 +130,6 @@ def gguf_dora(models_dir) -> str:
     return DORA
 
 
-def test_a_dora_lora_on_a_gguf_model_matches_its_own_lora_path(gguf_server, gguf_dora, record_property):
-    run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
-    floor = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
-    tolerance = max(3 * floor, MIN_TOLERANCE)
-    mine = run(ours([(gguf_dora, 1.0)]))
-    diff, effect = mad(mine, run(stock([(gguf_dora, 1.0)]))), mad(mine, run(graph({}, ["2", 0], "gguf_base")))
-    record_property("dora_ours_vs_stock", diff)
-    print(f"\nGGUF Q8_0 DoRA: floor {floor:.4f}; ours vs stock {diff:.4f}; the LoRA's effect {effect:.2f}")
-    assert diff <= tolerance
-    assert effect >= 10 * tolerance
-
-
 OFT = "gguf_oft.safetensors"
 
 
@@ -163,15 +151,19 @@ def gguf_oft(models_dir) -> str:
     return OFT
 
 
-def test_an_oft_on_a_gguf_model_matches_its_own_lora_path(gguf_server, gguf_oft, record_property):
-    """At strength 1, where ComfyUI's OFT (s² · (R − I)·W) and ours (s · (R − I)·W) agree."""
+@pytest.mark.parametrize("fixture", ["gguf_dora", "gguf_oft"])
+def test_a_lora_that_reads_the_weight_on_a_gguf_model_matches_its_own_lora_path(gguf_server, fixture, request,
+                                                                                record_property):
+    """DoRA's norm and OFT's rotation read the base weight, which ComfyUI-GGUF keeps quantized. OFT at strength 1,
+    where ComfyUI's (s² · (R − I)·W) and ours (s · (R − I)·W) agree."""
+    name = request.getfixturevalue(fixture)
     run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
     floor = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
     tolerance = max(3 * floor, MIN_TOLERANCE)
-    mine = run(ours([(gguf_oft, 1.0)]))
-    diff, effect = mad(mine, run(stock([(gguf_oft, 1.0)]))), mad(mine, run(graph({}, ["2", 0], "gguf_base")))
-    record_property("oft_ours_vs_stock", diff)
-    print(f"\nGGUF Q8_0 OFT: floor {floor:.4f}; ours vs stock {diff:.4f}; the OFT's effect {effect:.2f}")
+    mine = run(ours([(name, 1.0)]))
+    diff, effect = mad(mine, run(stock([(name, 1.0)]))), mad(mine, run(graph({}, ["2", 0], "gguf_base")))
+    record_property(f"{fixture}_ours_vs_stock", diff)
+    print(f"\nGGUF Q8_0 {name}: floor {floor:.4f}; ours vs stock {diff:.4f}; the LoRA's effect {effect:.2f}")
     assert diff <= tolerance
     assert effect >= 10 * tolerance
 
