@@ -20,11 +20,11 @@ from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
 from .schedule import Schedule
-from .slots import Activation, Entry, SlotBank, all_banks
+from .slots import Activation, Entry, SlotBank, all_banks, occupancies
 
 __all__ = [
     "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "Entry", "FileIdentity", "FuseError",
     "FuseResult", "KeyMap", "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError", "LoRAShapeError",
     "MatchReport", "NonFiniteError", "Schedule", "ShapingError", "SlotBank", "SlotLimitError", "Target", "all_banks",
-    "bind", "default_cache", "fuse", "ledger_of", "load_adapter", "read_header",
+    "bind", "default_cache", "fuse", "ledger_of", "load_adapter", "occupancies", "read_header",
 ]

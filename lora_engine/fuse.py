@@ -149,6 +149,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
 
     bias_strength = strength - (prior.strength if prior else 0.0)
     kept: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor] = {}  # the new biases, made and checked in the first pass (one vector a layer)
     kept_bytes = 0
     total = len(names)
     try:
@@ -159,7 +160,9 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
             if not bool(torch.isfinite(nw).all()):
                 raise NonFiniteError(f"fusing gives NaN or Inf in layer {name!r}", path=adapter.path,
                                      remedy="the LoRA is broken, or the strength too large for this dtype")
-            _new_bias(keymap.modules[name], plans.get(name), bias_strength, adapter.path)
+            bias = _new_bias(keymap.modules[name], plans.get(name), bias_strength, adapter.path)
+            if bias is not None:
+                biases[name] = bias
             w = keymap.modules[name].weight
             # fp8 e4m3fn saturates instead of overflowing to inf, so compare with the dtype's range.
             if w.dtype.is_floating_point and float(nw.abs().max()) > torch.finfo(w.dtype).max:
@@ -193,9 +196,8 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 w.data.copy_(out)
                 written += 1
                 ledger.checksums[name] = _checksum(w)
-                bias = _new_bias(keymap.modules[name], plans.get(name), bias_strength, adapter.path)
-                if bias is not None:
-                    keymap.modules[name].bias.data.copy_(bias)
+                if name in biases:
+                    keymap.modules[name].bias.data.copy_(biases[name])
                 if progress is not None:
                     try:
                         progress(total + i + 1, 2 * total)

@@ -82,10 +82,11 @@ class LowRank:
     def rank(self) -> int:
         return self.down.shape[0]
 
-    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
         return ((_f32(self.up, device) * self.scale) @ _flat(_f32(self.down, device))).reshape(shape)
 
-    def bound(self) -> float:
+    def bound(self, base_max: float | None = None) -> float:
         return abs(self.scale) * _product_bound(self.up, self.down, None)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -109,11 +110,12 @@ class LoHa:
     t2: torch.Tensor | None
     scale: float
 
-    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
         w = _rebuild(self.w1a, self.w1b, self.t1, device) * _rebuild(self.w2a, self.w2b, self.t2, device)
         return (w * self.scale).reshape(shape)
 
-    def bound(self) -> float:
+    def bound(self, base_max: float | None = None) -> float:
         return abs(self.scale) * _product_bound(self.w1a, self.w1b, self.t1) * _product_bound(self.w2a, self.w2b,
                                                                                                self.t2)
 
@@ -151,7 +153,8 @@ class LoKr:
     t2: torch.Tensor | None
     scale: float
 
-    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
         w1 = _f32(self.w1, device) if self.w1 is not None else _f32(self.w1a, device) @ _f32(self.w1b, device)
         if self.w2 is not None:
             w2 = _f32(self.w2, device)
@@ -179,7 +182,7 @@ class LoKr:
         w2 = _flat(self.w2).shape if self.w2 is not None else (self.w2a.shape[0], _flat(self.w2b).shape[1])
         return (w1[0], w1[1]), (w2[0], w2[1])
 
-    def bound(self) -> float:
+    def bound(self, base_max: float | None = None) -> float:
         w1 = absmax(self.w1) if self.w1 is not None else _product_bound(self.w1a, self.w1b, None)
         w2 = absmax(self.w2) if self.w2 is not None else _product_bound(self.w2a, self.w2b, self.t2)
         return abs(self.scale) * w1 * w2
@@ -238,10 +241,11 @@ def _split(full: torch.Tensor | None, a: torch.Tensor | None, b: torch.Tensor | 
 class FullDiff:
     diff: torch.Tensor
 
-    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
         return _f32(self.diff, device).reshape(shape)
 
-    def bound(self) -> float:
+    def bound(self, base_max: float | None = None) -> float:
         return absmax(self.diff)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -265,17 +269,19 @@ class Oft:
         eye = torch.eye(q.shape[1], dtype=torch.float32, device=q.device)
         return (eye + q) @ torch.linalg.inv(eye - q)
 
-    def delta_of(self, base: torch.Tensor) -> torch.Tensor:
-        """ΔW = m ⊙ Rᵀ·W − W in fp32 for the base weight `base` [out, in, *k] (fp32, where ΔW is computed)."""
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """ΔW = m ⊙ Rᵀ·W − W in fp32 for the base weight `base` (of `shape`), computed on `device` (None: where
+        `base` is)."""
+        if base is None:
+            raise ValueError("OFT needs the base weight")
+        base = _f32(base, device).reshape(shape)
         r = self.rotation(base.device)
         k, b, _ = r.shape
         rotated = torch.einsum("knm,kn...->km...", r, base.reshape(k, b, *base.shape[1:])).reshape(base.shape)
         if self.rescale is not None:
             rotated = rotated * _f32(self.rescale, base.device).reshape(base.shape[0], *[1] * (base.dim() - 1))
         return rotated - base
-
-    def delta(self, shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
-        raise ValueError("OFT's delta reads the base weight (`delta_of`)")
 
     def bound(self, base_max: float | None = None) -> float | None:
         """|m ⊙ Rᵀ·W| ≤ max|m| · √b · max|W| entrywise (R's columns are unit vectors), plus |W|; None without
@@ -289,6 +295,8 @@ class Oft:
         return (self.blocks,) if self.rescale is None else (self.blocks, self.rescale)
 
 
+# Each one's `delta(shape, device, base)` and `bound(base_max)`: `base` (the layer's weight) and `base_max` (its
+# largest |entry|) are read by `Oft` only.
 WeightPatch = LowRank | LoHa | LoKr | FullDiff | Oft
 
 
@@ -331,14 +339,11 @@ class LayerPatch:
         patch."""
         if self.weight is None:
             return None
-        if self.reads_weight and base_weight is None:
-            raise ValueError(f"{'OFT' if isinstance(self.weight, Oft) else 'DoRA'} needs the base weight")
-        if isinstance(self.weight, Oft):
-            delta = self.weight.delta_of(_f32(base_weight, device).reshape(shape))
-        else:
-            delta = self.weight.delta(shape, device)
+        delta = self.weight.delta(shape, device, base_weight)
         if self.dora_scale is None:
             return delta
+        if base_weight is None:
+            raise ValueError("DoRA needs the base weight")
         return dora_delta(_f32(base_weight, delta.device), delta, _f32(self.dora_scale, delta.device))
 
     def bound(self, base_max: float | None = None) -> float | None:
@@ -347,7 +352,7 @@ class LayerPatch:
         |ΔW_dora| ≤ max|m| + max|W| wherever W' is finite in fp32. None where no bound is shown."""
         if self.weight is None:
             return 0.0
-        bound = self.weight.bound(base_max) if isinstance(self.weight, Oft) else self.weight.bound()
+        bound = self.weight.bound(base_max)
         if bound is None:
             return None
         if self.dora_scale is None:

@@ -340,23 +340,16 @@ class SlotBank:
             held = sorted(requested)
             strengths = _strength_table([requested[s] for s in held])
             batch = strengths.shape[0] if strengths.dim() == 2 else None
-            if batch is not None:
-                weights = self._weights_key[0] if self._weights_key is not None else {}
-                sizes = {len(v) for v in (*self._schedules.values(), *weights.values()) if isinstance(v, tuple)}
-                if sizes - {batch}:
-                    raise ShapingError(f"{batch} per-item strengths, but the schedules or block weights have "
-                                       f"{sorted(sizes)[0]} per item", path=adapter.path)
-                if self._items is not None:
-                    raise ShapingError("per-item strengths cannot be set while set_items' are", path=adapter.path,
-                                       remedy="call set_items(None) first")
+            weights = self._weights_key[0] if self._weights_key is not None else {}
+            _check_sizes(batch, ((self.slots[s].name, self._schedules.get(s), weights.get(s)) for s in held))
+            if batch is not None and self._items is not None:
+                raise ShapingError("per-item strengths cannot be set while set_items' are", path=adapter.path,
+                                   remedy="call set_items(None) first")
             self._requested = requested
-            if self._weights_key is not None and self._weights_key[0] and self._weights_key[1] != batch:
-                self._weights_key = (self._weights_key[0], batch)
+            if weights and self._weights_key[1] != batch:
+                self._weights_key = (weights, batch)
                 self._set_layer_weights(*self._weights_key)
-            table = torch.zeros((self.max_loras,) if batch is None else (batch, self.max_loras))
-            for j, s in enumerate(held):
-                table[..., s] = strengths[..., j]
-            self._table = table
+            self._table = self._filled({s: strengths[..., j] for j, s in enumerate(held)}, batch)
             if self._items is not None:
                 self._call_table = self._items_table()
             self._push()
@@ -410,6 +403,11 @@ class SlotBank:
             self.device = torch.device(device)
 
     # -- state for status routes -----------------------------------------------------------------------
+
+    @property
+    def holds(self) -> bool:
+        """A layer has buffers, or a slot an adapter."""
+        return bool(self.layers) or any(a is not None for a in self.slots)
 
     def occupancy(self) -> dict:
         with self.lock:
@@ -481,12 +479,15 @@ class SlotBank:
             table[:, slot] = torch.where(v.isnan(), table[:, slot], v)
         return table
 
-    def _set_strengths(self, table: dict[int, torch.Tensor], batch: int | None) -> None:
-        shape = (self.max_loras,) if batch is None else (batch, self.max_loras)
-        values = torch.zeros(shape, dtype=torch.float32)
+    def _filled(self, table: dict[int, torch.Tensor], batch: int | None) -> torch.Tensor:
+        """The strengths table [N] or [batch, N]: `table`'s slots set, the others 0."""
+        values = torch.zeros((self.max_loras,) if batch is None else (batch, self.max_loras), dtype=torch.float32)
         for i, v in table.items():
             values[..., i] = v
-        self._table = values
+        return values
+
+    def _set_strengths(self, table: dict[int, torch.Tensor], batch: int | None) -> None:
+        self._table = self._filled(table, batch)
         self._call_table = self._seen = self._items = None
         self.progress = 0.0
         self._push()
@@ -580,7 +581,19 @@ def all_banks() -> list[SlotBank]:
     """Every live bank in the process, for status reporting (safe while another thread creates one)."""
     with _BANKS_LOCK:
         banks = list(_BANKS)
-    return [b for b in banks if b.layers or any(a is not None for a in b.slots)]
+    return [b for b in banks if b.holds]
+
+
+def occupancies() -> list[dict]:
+    """Every live bank's `occupancy`, each read under the bank's lock: a bank that another thread released after
+    `all_banks` listed it (ComfyUI's prompt worker unloading its model while the server reads the status) is left
+    out, not listed halfway through its release."""
+    out = []
+    for bank in all_banks():
+        with bank.lock:
+            if bank.holds:
+                out.append(bank.occupancy())
+    return out
 
 
 def merge(entries: Iterable[Entry | tuple[Adapter, Strength]]) -> dict[int, Entry]:
@@ -611,11 +624,17 @@ def _snapshot(weights: LayerWeights | tuple[LayerWeights | None, ...]) -> dict |
 
 def _check_items(entries: list[Entry], batch: int | None) -> None:
     """Per-item strengths, schedules and layer weights must all have one batch size."""
+    _check_sizes(batch, ((e.adapter.name, e.schedule, e.layer_weights) for e in entries))
+
+
+def _check_sizes(batch: int | None, shaping: Iterable[tuple[str, object, object]]) -> None:
+    """`batch` per-item strengths (None: one strength) and the (adapter name, schedule, layer weights) of each
+    adapter must all have one batch size where they are per item."""
     sizes = {} if batch is None else {batch: "per-item strengths"}
-    for e in entries:
-        for what, v in (("schedules", e.schedule), ("block weights", e.layer_weights)):
+    for name, schedule, weights in shaping:
+        for what, v in (("schedules", schedule), ("block weights", weights)):
             if isinstance(v, tuple):
-                sizes.setdefault(len(v), f"{e.adapter.name}'s per-item {what}")
+                sizes.setdefault(len(v), f"{name}'s per-item {what}")
     if len(sizes) > 1:
         raise ShapingError("per-item values of different lengths: " +
                            ", ".join(f"{n} {what}" for n, what in sizes.items()))

@@ -7,7 +7,7 @@ import math
 
 from aiohttp import web
 
-from lora_engine import LoRAError, all_banks, default_cache, read_header
+from lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
 from lora_engine.layer import LayerSlots
 
 from . import bridge
@@ -18,16 +18,12 @@ from .lora_info import describe as describe_lora
 def status() -> dict:
     return {
         "cache": default_cache().snapshot(),  # counters and entries under one lock
-        "banks": [o for o in (b.occupancy() for b in all_banks()) if o["layers"] or any(o["slots"])],
+        "banks": occupancies(),
         "reports": bridge.reports(),
         "loaded_models": bridge.loaded_models(),
         "hooks": hooks(),
         "fusions": fusion_log(),
     }
-
-
-# A bank that the prompt worker releases while this server thread reads the status was listed by `all_banks` before
-# the release and read by `occupancy`, under the bank's lock, after it: the banks read empty are left out.
 
 
 def hooks() -> dict:
