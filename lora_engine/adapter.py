@@ -81,7 +81,7 @@ def file_fingerprint(path: str) -> str:
 
 # LyCORIS layouts that ComfyUI's fused loader applies and no parser here reads, named in the error for such a file:
 # (key suffix, name).
-UNREAD_LAYOUTS = ((".oft_blocks", "BOFT"), (".a1.weight", "GLoRA"), (".a2.weight", "GLoRA"))
+UNREAD_LAYOUTS = ((".oft_blocks", "BOFT"),)
 # The key by which a file widens a layer's weight before its delta is added: Flux's control LoRAs (Canny, Depth)
 # widen img_in to take the control image's latent channels. A delta on the layer's output cannot widen its input.
 RESHAPE = ".reshape_weight"
@@ -110,7 +110,7 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
                                   "pack does not apply", path=path,
                                   remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
         sample = ", ".join(repr(k) for k in parsed.leftover[:3])
-        raise LoRAFormatError(f"no LoRA, LoCon, LoHa, LoKr, OFT or diff layers found (keys: {sample or 'none'})",
+        raise LoRAFormatError(f"no LoRA, LoCon, LoHa, LoKr, OFT, GLoRA or diff layers found (keys: {sample or 'none'})",
                               path=path, remedy="this is not an adapter file, or its layout is unsupported")
     if pin is None:
         pin = torch.cuda.is_available()

@@ -26,7 +26,7 @@ from torch import nn
 from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
-from .patches import LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
+from .patches import Glora, LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
 from .runtime import Kron
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class ModulePlan:
     rank: int = field(init=False)  # the rows of a slot the pieces fill (0 unless low_rank)
     full_rank: int = field(init=False)  # the rank of the one piece that covers the whole layer; 0 where several,
     # or a slice: a slot of exactly this rank is filled by `write_factors`, every row of it
-    reads_weight: bool = field(init=False)  # a piece is DoRA or OFT: its ΔW reads the layer's weight
+    reads_weight: bool = field(init=False)  # a piece is DoRA, OFT or GLoRA: its ΔW reads the layer's weight
     kron: bool = field(init=False)  # not low_rank, and every piece a LoKr applied as its two factors (`kron_delta`)
 
     def __post_init__(self):
@@ -154,12 +154,13 @@ class ModulePlan:
         inputs = self.geometry.weight_shape[1:].numel()
         return rank if rank is not None and rank * (inputs + outputs) < inputs * outputs else None
 
-    def check_factors(self, dtype: torch.dtype) -> None:
+    def check_factors(self, dtype: torch.dtype, base_weight: torch.Tensor | None = None) -> None:
         """Raise before any slot is written when A or s·B would overflow `dtype`. The reader has checked
         that every stored tensor is finite, so only a cast into a narrower range or the scale can overflow a
         low-rank patch's factors; the maxima are read only where the dtypes' ranges leave that possible. A LoHa
-        or LoKr product's factors are products of stored values: bounded by their maxima, and built to decide
-        only past the bound. A plan passes once per dtype: its factors do not change."""
+        or LoKr product's factors are products of stored values, a GLoRA's of them and the layer's weight
+        (`base_weight`): bounded by their maxima, and built to decide only past the bound. A plan that reads no
+        weight passes once per dtype: its factors do not change."""
         if dtype in self.checked:
             return
         limit = _max(dtype)
@@ -167,8 +168,12 @@ class ModulePlan:
         def overflows(t: torch.Tensor, scale: float) -> bool:
             return _max(t.dtype) * scale > limit and float(t.abs().amax()) * scale > limit
 
-        def products_overflow(w) -> bool:  # past the bounds, the products themselves decide
-            return max(w.factor_bounds()) > limit and max(absmax(t) for t in w.factors()) > limit
+        def products_overflow(p: Piece) -> bool:  # past the bounds, the products themselves decide
+            w = p.patch.weight
+            if not isinstance(w, Glora):
+                return max(w.factor_bounds()) > limit and max(absmax(t) for t in w.factors()) > limit
+            base = self.piece_base(p, base_weight)
+            return max(w.factor_bounds(absmax(base))) > limit and max(absmax(t) for t in w.factors(None, base)) > limit
 
         for p in self.pieces:
             w = p.patch.weight
@@ -177,17 +182,30 @@ class ModulePlan:
             if isinstance(w, LowRank):
                 bad = overflows(w.down, 1.0) or overflows(w.up, abs(w.scale))
             else:
-                bad = products_overflow(w)
+                bad = products_overflow(p)
             if bad:
                 raise NonFiniteError(f"the factors of layer {self.name!r} are not finite in {dtype}", path=self.path,
                                      remedy="the LoRA's values or alpha overflow the model's dtype; use another file")
-        self.checked.add(dtype)
+        if not self.reads_weight:
+            self.checked.add(dtype)
 
-    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: SlotCopies) -> int:
+    def piece_base(self, piece: Piece, base_weight: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of `base_weight` (the layer's weight) that `piece` patches, in the file's row order, like the
+        delta they combine with; None without a weight or where the piece reads none."""
+        if base_weight is None or not piece.patch.reads_weight:
+            return None
+        g = self.geometry
+        start, size = piece.out_slice or (0, g.out_features)
+        base = base_weight.reshape(g.weight_shape)[start:start + size]
+        return base if piece.rows is None else base[torch.argsort(torch.tensor(piece.rows))]
+
+    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: SlotCopies,
+                      base_weight: torch.Tensor | None = None) -> int:
         """A into the first rows of `a` [R, in, *k] and s·B into the first columns of `b` [out, R], one slot's
         rows of the layer's buffers (the rows no piece writes stay as they are). A low-rank patch's are copies from
-        the adapter's tensors, without staging, added to `copies`, which makes them. A LoHa or LoKr product's are
-        built from its factors on the slots' device and written at once, each rounded once; returns their bytes."""
+        the adapter's tensors, without staging, added to `copies`, which makes them. A LoHa or LoKr product's, and a
+        GLoRA's (which reads `base_weight`, the layer's weight), are built from its factors on the slots' device and
+        written at once, each rounded once; returns their bytes."""
         at, written = 0, 0
         for p in self.pieces:
             w = p.patch.weight
@@ -196,7 +214,8 @@ class ModulePlan:
             if isinstance(w, LowRank):
                 down, up, r = w.down, p.order(w.up), w.rank
             else:
-                down, up = w.factors(a.device)
+                down, up = w.factors(a.device, self.piece_base(p, base_weight)) if isinstance(w, Glora) else \
+                    w.factors(a.device)
                 up, r = p.order(up), down.shape[0]
             if down.shape[1:] != a.shape[1:]:
                 down = down.reshape(r, *a.shape[1:])
@@ -221,19 +240,14 @@ class ModulePlan:
 
     def dense(self, base_weight: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
         """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed, computed on `device` (None: where the
-        factors are); None when no piece has a weight. `base_weight` is read by DoRA and OFT pieces only."""
+        factors are); None when no piece has a weight. `base_weight` is read by DoRA, OFT and GLoRA pieces only."""
         g = self.geometry
         total = None
         for p in self.pieces:
             start, size = p.out_slice or (0, g.out_features)
             shape = torch.Size((size, *g.weight_shape[1:]))
-            base = None
-            if base_weight is not None and p.patch.reads_weight:
-                base = base_weight.reshape(g.weight_shape)[start:start + size]
-                if p.rows is not None:  # in the file's row order, like the delta it combines with
-                    base = base[torch.argsort(torch.tensor(p.rows))]
             try:
-                d = p.patch.dense_delta(shape, base, device)
+                d = p.patch.dense_delta(shape, self.piece_base(p, base_weight), device)
             except torch.cuda.OutOfMemoryError:
                 raise
             except (RuntimeError, IndexError) as e:
@@ -248,7 +262,7 @@ class ModulePlan:
 
     def bound(self, base_max: float | None = None) -> float | None:
         """A bound on |ΔW| entries from the factors' maxima, the pieces' bounds added up (`LayerPatch.bound`;
-        `base_max`: the base weight's largest |entry|, for DoRA and OFT); None where none is shown."""
+        `base_max`: the base weight's largest |entry|, for DoRA, OFT and GLoRA); None where none is shown."""
         bounds = [p.patch.bound(base_max) for p in self.pieces]
         return None if None in bounds else sum(bounds)
 
@@ -437,6 +451,8 @@ def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slic
                                  f"has {size}{' in its output slice ' + repr(out_slice) if out_slice else ''}",
                                  path=adapter.path, key=patch.key,
                                  remedy="the adapter was trained for another model or model size")
+    elif isinstance(w, Glora):
+        _check_glora(adapter, name, g, patch, size)
     elif w is not None and not hasattr(w, "down"):
         # Checked from shapes before anything is materialised: LoHa and LoKr factors of a few KB can
         # describe a product of gigabytes.
@@ -447,6 +463,21 @@ def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slic
             raise LoRAShapeError(f"{what} does not fit layer {name!r} "
                                  f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
                                  remedy="the adapter was trained for another model or model size")
+
+
+def _check_glora(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, size: int) -> None:
+    """B1 [size, rb] and B2 [rb, in·k] make the layer's ΔW, and A1 [n, ra], A2 [ra, n] mix its flattened inputs or,
+    on a conv, its input channels."""
+    w = patch.weight
+    inputs = g.weight_shape[1:].numel()
+    mixes = (inputs, g.weight_shape[1]) if g.conv_dims else (inputs,)
+    n = w.a1.shape[0]
+    if (w.b1.shape[0] != size or w.b1.shape[1] != w.b2.shape[0] or w.b2[0].numel() != inputs or n not in mixes
+            or tuple(w.a2.shape) != (w.a1.shape[1], n)):
+        shapes = ", ".join(f"{k} {tuple(getattr(w, k).shape)!r}" for k in ("a1", "a2", "b1", "b2"))
+        raise LoRAShapeError(f"GLoRA factors ({shapes}, as the current layout names them) do not fit layer {name!r} "
+                             f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
+                             remedy="the adapter was trained for another model or model size")
 
 
 def _dense_numel(w) -> int | None:

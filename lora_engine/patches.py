@@ -19,6 +19,10 @@ every patch defines a weight delta ΔW so that the patched layer computes
               and ‖Q‖ exceeds it), m the optional `rescale` per output row; ΔW = W' − W reads the base weight,
               as DoRA's does, and strength s moves linearly from W to W', as in LyCORIS. (ComfyUI 0.28's
               LoraLoader adds s²·(Rᵀ − I)·W and drops `rescale`; at s = 1 without `rescale` the two agree.)
+- `Glora`     LyCORIS GLoRA: ΔW = c · (W·A1·A2 + B1·B2), with A1 [n, ra], A2 [ra, n], B1 [out, rb],
+              B2 [rb, in, *kernel] and c = alpha / ra. W·A1·A2 mixes the weight's inputs: n is the
+              flattened inputs (in·k) where A1 has that many rows, else (a conv, LyCORIS's current layout)
+              the input channels, per kernel position. It reads the base weight, and is linear in s.
 
 LoHa and LoKr products without Tucker cores have exact low-rank forms B·A (`factors`),
 built from their factors, of rank r1·r2:
@@ -29,6 +33,10 @@ built from their factors, of rank r1·r2:
   [out, in·kh·kw], which is how kron lays out ΔW's flattened inputs.
 Where that rank is small enough that B and A hold fewer elements than ΔW, the layer runs
 them as a low-rank adapter (`binding.ModulePlan`) instead of a dense ΔW.
+
+A GLoRA that mixes the flattened inputs (every Linear's, and a conv's in the older layout) is
+itself of rank ra + rb: ΔW = c·[W·A1 | B1] · [A2 ; B2], with W·A1 [out, ra] computed from the base
+weight when the slot is written.
 
 A LoKr on a Linear whose product has no such small form is applied as it is stored (`halves`):
 kron(W1, W2)·x = vec(W1 · X · W2ᵀ), X the input read as [b, d], two small products of
@@ -295,9 +303,69 @@ class Oft:
         return (self.blocks,) if self.rescale is None else (self.blocks, self.rescale)
 
 
+@dataclass(frozen=True)
+class Glora:
+    a1: torch.Tensor  # [n, ra]: n the weight's flattened inputs, or a conv's input channels
+    a2: torch.Tensor  # [ra, n]
+    b1: torch.Tensor  # [out, rb]
+    b2: torch.Tensor  # [rb, in, *kernel], or [rb, in·k]
+    scale: float  # alpha / ra
+
+    def _mixed(self, base: torch.Tensor | None, shape: torch.Size, device: torch.device | None) -> torch.Tensor:
+        """W·A1·A2 [*shape] in fp32: over the flattened inputs, or a conv's channels at each kernel position."""
+        if base is None:
+            raise ValueError("GLoRA needs the base weight")
+        w = _f32(base, device).reshape(shape)
+        a1, a2 = _f32(self.a1, w.device), _f32(self.a2, w.device)
+        if self.flat:
+            return ((_flat(w) @ a1) @ a2).reshape(shape)
+        return torch.einsum("oi...,ij,jn->on...", w, a1, a2)
+
+    @property
+    def flat(self) -> bool:
+        """A1 mixes the flattened inputs, which B2's flattened width gives."""
+        return self.a1.shape[0] == _flat(self.b2).shape[1]
+
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        mixed = self._mixed(base, shape, device)
+        return (mixed + (_f32(self.b1, mixed.device) @ _flat(_f32(self.b2, mixed.device))).reshape(shape)) * self.scale
+
+    def bound(self, base_max: float | None = None) -> float | None:
+        """Each entry of W·A1·A2 sums ra·n terms |W|·|A1|·|A2| (n: A2's width); None without `base_max`."""
+        if base_max is None:
+            return None
+        ra, n = self.a2.shape
+        mixed = ra * n * base_max * absmax(self.a1) * absmax(self.a2)
+        return abs(self.scale) * (mixed + _product_bound(self.b1, self.b2, None))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.a1, self.a2, self.b1, self.b2)
+
+    @property
+    def product_rank(self) -> int | None:
+        """ra + rb where A1 mixes the flattened inputs (the low-rank form of the module docstring), else None."""
+        return self.a2.shape[0] + self.b2.shape[0] if self.flat else None
+
+    def factors(self, device: torch.device | None = None, base: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [ra + rb, n], c·B [out, ra + rb]) in fp32 with c·B·A = ΔW flattened, for the base weight `base`."""
+        if base is None:
+            raise ValueError("GLoRA needs the base weight")
+        w = _flat(_f32(base, device))
+        up = torch.cat([w @ _f32(self.a1, w.device), _flat(_f32(self.b1, w.device))], dim=1) * self.scale
+        return torch.cat([_f32(self.a2, w.device), _flat(_f32(self.b2, w.device))]), up
+
+    def factor_bounds(self, base_max: float) -> tuple[float, float]:
+        """Bounds on |A| and |c·B| entries of `factors`, from the factors' maxima and the base weight's."""
+        n = self.a1.shape[0]
+        return (max(absmax(self.a2), absmax(self.b2)),
+                abs(self.scale) * max(n * base_max * absmax(self.a1), absmax(self.b1)))
+
+
 # Each one's `delta(shape, device, base)` and `bound(base_max)`: `base` (the layer's weight) and `base_max` (its
-# largest |entry|) are read by `Oft` only.
-WeightPatch = LowRank | LoHa | LoKr | FullDiff | Oft
+# largest |entry|) are read by `Oft` and `Glora` only.
+WeightPatch = LowRank | LoHa | LoKr | FullDiff | Oft | Glora
 
 
 @dataclass
@@ -313,8 +381,8 @@ class LayerPatch:
 
     @property
     def reads_weight(self) -> bool:
-        """ΔW is computed from the layer's base weight (DoRA, OFT)."""
-        return self.dora_scale is not None or isinstance(self.weight, Oft)
+        """ΔW is computed from the layer's base weight (DoRA, OFT, GLoRA)."""
+        return self.dora_scale is not None or isinstance(self.weight, (Oft, Glora))
 
     @property
     def runtime_low_rank(self) -> bool:
@@ -323,9 +391,9 @@ class LayerPatch:
 
     @property
     def product_rank(self) -> int | None:
-        """The rank of the exact low-rank form of a LoHa or LoKr product without Tucker cores or DoRA, else None;
-        `binding.ModulePlan` decides whether the layer runs it."""
-        if self.dora_scale is not None or not isinstance(self.weight, (LoHa, LoKr)):
+        """The rank of the exact low-rank form of a LoHa or LoKr product without Tucker cores, or of a GLoRA (the module
+        docstring), without DoRA; else None. `binding.ModulePlan` decides whether the layer runs it."""
+        if self.dora_scale is not None or not isinstance(self.weight, (LoHa, LoKr, Glora)):
             return None
         return self.weight.product_rank
 
@@ -347,9 +415,10 @@ class LayerPatch:
         return dora_delta(_f32(base_weight, delta.device), delta, _f32(self.dora_scale, delta.device))
 
     def bound(self, base_max: float | None = None) -> float | None:
-        """A bound on |ΔW| entries from the factors' maxima. DoRA's and OFT's also need `base_max`, the largest
-        |entry| of the base weight (OFT's: `Oft.bound`). DoRA's: each entry of m ⊙ W'/‖W'‖ is at most |m|, so
-        |ΔW_dora| ≤ max|m| + max|W| wherever W' is finite in fp32. None where no bound is shown."""
+        """A bound on |ΔW| entries from the factors' maxima. DoRA's, OFT's and GLoRA's also need `base_max`, the
+        largest |entry| of the base weight (OFT's: `Oft.bound`, GLoRA's: `Glora.bound`). DoRA's: each entry of
+        m ⊙ W'/‖W'‖ is at most |m|, so |ΔW_dora| ≤ max|m| + max|W| wherever W' is finite in fp32. None where no
+        bound is shown."""
         if self.weight is None:
             return 0.0
         bound = self.weight.bound(base_max)

@@ -37,7 +37,7 @@ def stage(bank: SlotBank, b: Binding) -> Staged:
     staged = {}
     for name, plan in b.plans.items():
         if plan.low_rank:
-            plan.check_factors(bank.dtype)
+            plan.check_factors(bank.dtype, _weight(bank, plan))
         else:
             _check_dense(bank, plan)
         bias = plan.bias()
@@ -65,7 +65,7 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
             layer.prepare(slot, plan)
             layer.lr_used.add(slot)  # a failed write is zeroed by clear() and scrub()
             layer.ranks[slot] = r
-            nbytes += plan.write_factors(*layer.slot(slot), copies)
+            nbytes += plan.write_factors(*layer.slot(slot), copies, _weight(bank, plan))
         if bias is not None:
             layer.bias[slot] = bias.to(device=bank.device, dtype=bank.dtype, non_blocking=True)
             nbytes += bias.numel() * layer.bias[slot].element_size()
@@ -74,15 +74,16 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
 
 def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
     """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
-    maxima (DoRA's and OFT's with the base weight's) settles it for any usual file; past the bound, ΔW is computed on
-    the bank's device, checked and dropped. A LoKr applied as its factors (`plan.kron`) checks those."""
+    maxima (DoRA's, OFT's and GLoRA's with the base weight's) settles it for any usual file; past the bound, ΔW is
+    computed on the bank's device, checked and dropped. A LoKr applied as its factors (`plan.kron`) checks those."""
     if plan.kron:
         if not plan.kron_delta(None, bank.dtype).finite():
             raise NonFiniteError(f"the Kronecker factors of layer {plan.name!r} are not finite in {bank.dtype}",
                                  path=plan.path, remedy="the adapter's values or alpha overflow the model's dtype; "
                                  "use another file")
         return
-    if plan.bounded(bank.dtype, absmax(bank.weight_fn(plan.module)) if plan.reads_weight else None):
+    weight = _weight(bank, plan)
+    if plan.bounded(bank.dtype, absmax(weight) if weight is not None else None):
         return
     delta = _dense(bank, plan)
     if delta is not None and not bool(torch.isfinite(delta.to(bank.dtype)).all()):
@@ -91,9 +92,14 @@ def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
                              "use another file")
 
 
+def _weight(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
+    """The layer's weight where the plan reads it (DoRA, OFT, GLoRA), else None."""
+    return bank.weight_fn(plan.module) if plan.reads_weight else None
+
+
 def _dense(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
-    """The layer's ΔW for strength 1, in fp32 on the bank's device (DoRA and OFT read the layer's weight)."""
-    return plan.dense(bank.weight_fn(plan.module) if plan.reads_weight else None, bank.device)
+    """The layer's ΔW for strength 1, in fp32 on the bank's device."""
+    return plan.dense(_weight(bank, plan), bank.device)
 
 
 def _write_dense(bank: SlotBank, layer: LayerSlots, slot: int, plan: ModulePlan) -> int:

@@ -1,11 +1,12 @@
-"""LyCORIS LoHa (`hada_*`), LoKr (`lokr_*`) and diag-OFT (`oft_blocks`, 3-D; BOFT's 4-D blocks are left over)."""
+"""LyCORIS LoHa (`hada_*`), LoKr (`lokr_*`), diag-OFT (`oft_blocks`, 3-D; BOFT's 4-D blocks are left over) and
+GLoRA (`a1`, `a2`, `b1`, `b2`)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import LoRAShapeError
-from ..patches import LoHa, LoKr, Oft
+from ..patches import Glora, LoHa, LoKr, Oft
 from ._util import ParseContext, finite_scale, layer, pop_alpha, prefixes
 
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
@@ -102,3 +103,61 @@ def parse_oft(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> st
         entry.source_keys.extend(consumed)
         found = True
     return "oft" if found else None
+
+
+GLORA_PARTS = ("a1.weight", "a2.weight", "b1.weight", "b2.weight")
+
+
+def _flat_shape(t: torch.Tensor) -> tuple[int, int]:
+    return t.shape[0], t[0].numel()
+
+
+def parse_glora(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
+    """`{prefix}.a1.weight`, `.a2.weight`, `.b1.weight`, `.b2.weight`, an optional Tucker core `.bm.weight` and
+    `.alpha`, in either of LyCORIS's layouts, told apart by their shapes as ComfyUI's LoraLoader does:
+    - current: ΔW = W·a1·a2 + b1·b2, a1 [n, r], a2 [r, n], b1 [out, r], b2 [r, in, *k]; a conv's a1 and a2 are
+      1×1 convs over its channels, and with a Tucker core b2 is a 1×1 conv and bm [r, r, *k] the kernel;
+    - older: ΔW = b2·b1 + W·a2·a1 with the roles of 1 and 2 swapped, over the flattened inputs.
+    On a square layer both readings can fit: a1 and b1 are then [x, y] and a2 and b2 [y, x], and the rank is x in
+    the older reading and y in the current one. The reading with the smaller rank is taken (the older one where
+    x = y). ComfyUI's LoraLoader decides by the layer's size, and takes the same reading wherever the rank is not
+    above it. The scale is alpha / r (1 without alpha)."""
+    found = False
+    for prefix in prefixes(tensors, ".a1.weight"):
+        if not all(f"{prefix}.{p}" in tensors for p in GLORA_PARTS):
+            continue
+        consumed: list[str] = []
+        a1, a2, b1, b2 = (_pop(tensors, f"{prefix}.{p}", consumed) for p in GLORA_PARTS)
+        mid = _pop(tensors, f"{prefix}.bm.weight", consumed)
+        alpha = pop_alpha(tensors, prefix, consumed)
+        _check_factors(dict(zip(GLORA_PARTS, (a1, a2, b1, b2))), ctx.path, prefix)
+        (a1o, a1i), (a2o, a2i), (b1o, b1i), (b2o, b2i) = (_flat_shape(t) for t in (a1, a2, b1, b2))
+        older = b2i == b1o == a1o == a2i and mid is None
+        current = b2o == b1i == a1i == a2o
+        if older and current:  # a1, b1 [x, y] and a2, b2 [y, x]: rank x (older) or y (current), the smaller one
+            older = a1o <= a1i
+        if older:
+            factors = a2.reshape(a2o, a2i), a1.reshape(a1o, a1i), b2.reshape(b2o, b2i), b1
+        elif current:
+            b2 = _tucker(mid, b2, ctx.path, prefix) if mid is not None else b2
+            factors = a1.reshape(a1o, a1i), a2.reshape(a2o, a2i), b1.reshape(b1o, b1i), b2
+        else:
+            shapes = ", ".join(f"{p.split('.')[0]} {tuple(t.shape)!r}" for p, t in zip(GLORA_PARTS, (a1, a2, b1, b2)))
+            raise LoRAShapeError(f"GLoRA factors {shapes} share no rank in either GLoRA layout", path=ctx.path,
+                                 key=prefix, remedy="the file is corrupt; re-export it")
+        rank = factors[1].shape[0]
+        scale = finite_scale(alpha / rank if alpha is not None else 1.0, ctx.path, prefix)
+        entry = layer(layers, prefix, "glora", ctx.path)
+        entry.weight = Glora(*factors, scale=scale)
+        entry.source_keys.extend(consumed)
+        found = True
+    return "glora" if found else None
+
+
+def _tucker(mid: torch.Tensor, b2: torch.Tensor, path: str, prefix: str) -> torch.Tensor:
+    """b2 [r, in, 1, ...] after the core bm [r, r, *k], as one kernel [r, in, *k]: a 1×1 conv then a k×k conv."""
+    r = b2.shape[0]
+    if mid.dim() < 3 or tuple(mid.shape[:2]) != (r, r):
+        raise LoRAShapeError(f"GLoRA Tucker core bm {tuple(mid.shape)!r} does not fit b2 {tuple(b2.shape)!r}",
+                             path=path, key=f"{prefix}.bm.weight", remedy="the file is corrupt; re-export it")
+    return torch.einsum("ij...,jn->in...", mid.float(), b2.reshape(r, -1).float()).to(b2.dtype)

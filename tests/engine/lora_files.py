@@ -151,9 +151,11 @@ def diff_tensors(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def dora_tensors(model: nn.Module, seed: int, axis: str = "input") -> dict[str, torch.Tensor]:
-    """Kohya LoRA plus `dora_scale` ([1, in] on the input axis, [out, 1] on the output axis)."""
-    out = lora_tensors(model, "kohya", seed)
+def dora_tensors(model: nn.Module, seed: int, axis: str = "input", tensors: dict | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Kohya LoRA, or `tensors` (kohya names), plus `dora_scale` ([1, in] on the input axis, [out, 1] on the
+    output axis)."""
+    out = dict(tensors) if tensors is not None else lora_tensors(model, "kohya", seed)
     g = torch.Generator().manual_seed(seed + 100)
     for name, shape in weight_shapes(model).items():
         p = "lora_unet_" + name.replace(".", "_")
@@ -179,6 +181,33 @@ def oft_tensors(model: nn.Module, seed: int, constraint: float = 0.0, rescale: b
         out[f"{p}.alpha"] = torch.tensor(float(constraint))
         if rescale:
             out[f"{p}.rescale"] = 1.0 + _rand(g, shape[0], *([1] * (len(shape) - 1)), std=0.1)
+    return out
+
+
+def glora_tensors(model: nn.Module, seed: int, layout: str = "current", rank: int = 2,
+                  alpha: float = 3.0) -> dict[str, torch.Tensor]:
+    """LyCORIS GLoRA, ΔW = (W·A1·A2 + B1·B2)·alpha/rank. `current`: LyCORIS's layout, a1 [in, r], a2 [r, in],
+    b1 [out, r], b2 [r, in, *k], a conv's a1/a2/b1 as 1×1 convs (A mixes its channels); `tucker`: the same with a
+    conv's b2 a 1×1 conv after the core bm [r, r, *k]; `older`: the older layout over the flattened inputs, with
+    the names of the two factors of each product swapped (a1 [r, in·k], a2 [in·k, r], b1 [r, in·k], b2 [out, r])."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(model).items():
+        p = "lora_unet_" + name.replace(".", "_")
+        o, i, k = shape[0], shape[1], tuple(shape[2:])
+        ones = (1,) * len(k)
+        if layout == "older":
+            n = shape[1:].numel()
+            out[f"{p}.a1.weight"], out[f"{p}.a2.weight"] = _rand(g, rank, n), _rand(g, n, rank)
+            out[f"{p}.b1.weight"], out[f"{p}.b2.weight"] = _rand(g, rank, n), _rand(g, o, rank)
+        else:
+            out[f"{p}.a1.weight"], out[f"{p}.a2.weight"] = _rand(g, i, rank, *ones), _rand(g, rank, i, *ones)
+            out[f"{p}.b1.weight"] = _rand(g, o, rank, *ones)
+            if layout == "tucker" and k:
+                out[f"{p}.b2.weight"], out[f"{p}.bm.weight"] = _rand(g, rank, i, *ones), _rand(g, rank, rank, *k)
+            else:
+                out[f"{p}.b2.weight"] = _rand(g, rank, i, *k)
+        out[f"{p}.alpha"] = torch.tensor(alpha)
     return out
 
 

@@ -115,9 +115,17 @@ def oft_rescale_of_another_size(tmp_path):
                                                   "lora_unet_proj.rescale": torch.ones(7, 1)})
 
 
-def glora(tmp_path):
-    return lf.write(tmp_path, "glora.safetensors", {f"lora_unet_proj.{k}.weight": torch.zeros(2, 2)
-                                                    for k in ("a1", "a2", "b1", "b2")})
+def glora_without_a_shared_rank(tmp_path):
+    return lf.write(tmp_path, "glora.safetensors", {"lora_unet_proj.a1.weight": torch.zeros(96, 2),
+                                                    "lora_unet_proj.a2.weight": torch.zeros(3, 96),
+                                                    "lora_unet_proj.b1.weight": torch.zeros(16, 2),
+                                                    "lora_unet_proj.b2.weight": torch.zeros(2, 96)})
+
+
+def glora_core_of_another_rank(tmp_path):
+    t = lf.glora_tensors(lf.tiny(), 1, "tucker")
+    t["lora_unet_conv_mid.bm.weight"] = torch.zeros(3, 2, 3, 3)
+    return lf.write(tmp_path, "glora.safetensors", t)
 
 
 def control(tmp_path):
@@ -158,7 +166,10 @@ CASES = [
     (oft_not_square, LoRAShapeError, "(4, 2, 3) is not a stack of square blocks", "lora_unet_proj.oft_blocks"),
     (oft_rescale_of_another_size, LoRAShapeError, "rescale (7, 1) does not hold one factor for each of the 8",
      "lora_unet_proj.rescale"),
-    (glora, LoRAFormatError, "holds GLoRA layers", None),
+    (glora_without_a_shared_rank, LoRAShapeError, "a1 (96, 2), a2 (3, 96), b1 (16, 2), b2 (2, 96) share no rank",
+     "lora_unet_proj"),
+    (glora_core_of_another_rank, LoRAShapeError, "core bm (3, 2, 3, 3) does not fit b2 (2, 6, 1, 1)",
+     "lora_unet_conv_mid.bm.weight"),
     (control, LoRAFormatError, "widens layer 'diffusion_model.img_in' to (4, 8)",
      "diffusion_model.img_in.reshape_weight"),
     (missing, LoRAFileError, "not found", None),
@@ -194,7 +205,12 @@ def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
     # proj has 16 outputs
     (lambda m: lf.oft_tensors(m, 1), "lora_unet_proj.oft_blocks", torch.zeros(5, 4, 4),
      ["'lora_unet_proj'", "(5, 4, 4) rotate 20 output rows", "'proj' has 16"]),
-], ids=["lora", "oft"])
+    # a GLoRA of another model size: proj's 96 inputs read as 90
+    (lambda m: {**lf.glora_tensors(m, 1), "lora_unet_proj.a1.weight": torch.zeros(90, 2),
+                "lora_unet_proj.a2.weight": torch.zeros(2, 90), "lora_unet_proj.b2.weight": torch.zeros(2, 90)},
+     "lora_unet_proj.b1.weight", torch.zeros(16, 2),
+     ["'lora_unet_proj'", "a1 (90, 2), a2 (2, 90), b1 (16, 2), b2 (2, 90)", "do not fit layer 'proj'"]),
+], ids=["lora", "oft", "glora"])
 def test_wrong_shape_names_file_key_and_layer(tmp_path, make, key, value, texts):
     t = make(lf.tiny())
     t[key] = value

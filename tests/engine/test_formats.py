@@ -76,8 +76,9 @@ def ref_diff(t, model):
     return {n: t["diffusion_model." + n + ".diff"].double() for n in lf.LAYERS}
 
 
-def ref_dora(t, model, axis):
-    base = ref_lowrank(t, model, "kohya")
+def ref_dora(t, model, axis, delta=None):
+    """DoRA over the deltas `delta` gives (a kohya LoRA's by default)."""
+    base = (delta or (lambda t, m: ref_lowrank(t, m, "kohya")))(t, model)
     mods = dict(model.named_modules())
     out = {}
     for name, d in base.items():
@@ -114,6 +115,33 @@ def ref_oft(t, model):
     return out
 
 
+def ref_glora(t, model, layout):
+    """ΔW = (W·A1·A2 + B1·B2)·alpha/r written out: A1·A2 mixes a conv's input channels at each kernel position in
+    the current layout, the flattened inputs in the older one (A2·A1 there, by its names, and B2·B1), and a Tucker
+    core runs between B2 and B1."""
+    mods = dict(model.named_modules())
+    out = {}
+    for name, shape in lf.weight_shapes(model).items():
+        p = _kohya_prefix(name)
+        a1, a2, b1, b2 = (t[f"{p}.{k}.weight"].double() for k in ("a1", "a2", "b1", "b2"))
+        w = mods[name].weight.detach().double()
+        o, i = shape[0], shape[1]
+        if layout == "older":
+            d = b2 @ b1 + w.reshape(o, -1) @ a2 @ a1
+            rank = a1.shape[0]
+        else:
+            a1m, a2m = a1.reshape(i, -1), a2.reshape(-1, i)
+            mixed = torch.zeros_like(w)
+            for c in range(i):
+                mixed[:, c] = sum(w[:, j] * (a1m[j] @ a2m[:, c]) for j in range(i))
+            if f"{p}.bm.weight" in t:
+                b2 = torch.einsum("ij...,jn->in...", t[f"{p}.bm.weight"].double(), b2.reshape(b2.shape[0], -1))
+            d = mixed.reshape(o, -1) + b1.reshape(o, -1) @ b2.reshape(b2.shape[0], -1)
+            rank = a2.shape[0]
+        out[name] = d.reshape(shape) * float(t[p + ".alpha"]) / rank
+    return out
+
+
 CASES = [
     # (name, tensors(model), reference deltas(tensors, model), runtime path)
     ("kohya", lambda m: lf.lora_tensors(m, "kohya", 1), lambda t, m: ref_lowrank(t, m, "kohya"), "low-rank"),
@@ -137,6 +165,12 @@ CASES = [
      "dense"),
     ("oft", lambda m: lf.oft_tensors(m, 15), ref_oft, "dense"),
     ("oft-constrained-rescaled", lambda m: lf.oft_tensors(m, 16, constraint=0.5, rescale=True), ref_oft, "dense"),
+    # GLoRA: the Linears run its rank-2r form; a 3×3 conv mixes its channels per kernel position, a dense ΔW there
+    ("glora", lambda m: lf.glora_tensors(m, 17), lambda t, m: ref_glora(t, m, "current"), "mixed"),
+    ("glora-tucker", lambda m: lf.glora_tensors(m, 18, "tucker"), lambda t, m: ref_glora(t, m, "tucker"), "mixed"),
+    ("glora-older", lambda m: lf.glora_tensors(m, 19, "older"), lambda t, m: ref_glora(t, m, "older"), "low-rank"),
+    ("glora-dora", lambda m: lf.dora_tensors(m, 20, "output", lf.glora_tensors(m, 20)),
+     lambda t, m: ref_dora(t, m, "output", lambda t, m: ref_glora(t, m, "current")), "dense"),
 ]
 
 

@@ -398,12 +398,13 @@ def test_headers(workdir, data):
 # -- (c) + (d) valid adapter files, mutated ----------------------------------------------------------
 
 LAYOUTS = ("kohya", "peft", "peft-default", "diffusers", "locon-mid", "loha", "lokr", "diff", "dora-input",
-           "dora-output")
+           "dora-output", "oft", "glora", "glora-tucker", "glora-older")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int64,
           torch.bool, torch.float8_e4m3fn)
 SUFFIX_SWAPS = ((".lora_down.weight", ".lora_dn.weight"), (".lora_up.weight", ".lora_up.weight.extra"),
                 ("lora_A", "lora_C"), ("hada_w2_b", "hada_w3_b"), (".diff", ".dif"), ("lokr_w1", "lokr_w9"),
-                ("lora_unet_", "lora_unet_not_here_"), ("unet.", "text_encoder."), (".alpha", ".alpha.weight"))
+                ("lora_unet_", "lora_unet_not_here_"), ("unet.", "text_encoder."), (".alpha", ".alpha.weight"),
+                (".a1.weight", ".a3.weight"), (".bm.weight", ".bn.weight"), ("oft_blocks", "oft_block"))
 SPECIAL_FILL = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": 1e30, "zero": 0.0,
                 "f16max": 65504.0}
 
@@ -418,6 +419,10 @@ def layout_tensors(layout: str, seed: int, rank: int) -> dict[str, torch.Tensor]
         return lf.diff_tensors(model, seed)
     if layout.startswith("dora"):
         return lf.dora_tensors(model, seed, axis=layout.split("-")[1])
+    if layout == "oft":
+        return lf.oft_tensors(model, seed)
+    if layout.startswith("glora"):
+        return lf.glora_tensors(model, seed, layout.partition("-")[2] or "current", rank=rank)
     return lf.lora_tensors(model, layout, seed, rank=rank)
 
 
@@ -525,7 +530,8 @@ SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.w
             ".lora_A", ".lora_B", ".lora_mid.weight", ".alpha", ".hada_w1_a", ".hada_w1_b", ".hada_w2_a",
             ".hada_w2_b", ".hada_t1", ".hada_t2", ".lokr_w1", ".lokr_w1_a", ".lokr_w1_b", ".lokr_w2", ".lokr_w2_a",
             ".lokr_w2_b", ".lokr_t2", ".diff", ".diff_b", ".dora_scale", ".lora_magnitude_vector",
-            ".lora_magnitude_vector.default.weight", ".unknown")
+            ".lora_magnitude_vector.default.weight", ".oft_blocks", ".rescale", ".a1.weight", ".a2.weight",
+            ".b1.weight", ".b2.weight", ".bm.weight", ".unknown")
 DIMS = st.sampled_from([0, 1, 2, 3, 4, 5, 6, 16, 27, 32, 54, 96])
 TENSOR = st.builds(lambda shape, dtype, seed: random_tensor(seed, shape).to(dtype),
                    st.lists(DIMS, max_size=4).map(small), st.sampled_from(DTYPES), st.integers(0, 2**16))
@@ -604,6 +610,11 @@ REGRESSIONS = [
                                                "lora_unet_proj.lokr_w1_b": torch.tensor(1.0),
                                                "lora_unet_proj.lokr_w2": torch.ones(8, 96)}),
      LoRAShapeError, "lokr_w1_b"),
+    ("GLoRA factor that is a vector",
+     lambda d: lora_file(d / "r.safetensors", {"lora_unet_proj.a1.weight": torch.ones(96), "lora_unet_proj.a2.weight":
+                                               torch.ones(2, 96), "lora_unet_proj.b1.weight": torch.ones(16, 2),
+                                               "lora_unet_proj.b2.weight": torch.ones(2, 96)}),
+     LoRAShapeError, "a1.weight (96,) is not a non-empty matrix"),
     ("PEFT rank 0 with lora_alpha in the metadata",
      lambda d: lora_file(d / "r.safetensors", {"unet.proj.lora_A.weight": torch.ones(0, 96),
                                                "unet.proj.lora_B.weight": torch.ones(16, 0)},

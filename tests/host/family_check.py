@@ -74,10 +74,16 @@ CASES = (
     Case("flux", (("oft", 1.0),)),
     Case("flux", (("oft", 1.0), ("kohya", 0.7))),
     Case("flux", (("diffusers", 1.0), ("lokr", 0.5), ("loha", -0.8))),
+    # GLoRA's W·a1·a2 reads the weight: ComfyUI's LoraLoader reads it as the LoRAs before it left it, the runtime
+    # the base weight, so it comes first in a stack here too. It is linear in the strength in both.
+    Case("flux", (("glora", 0.8),)),
+    Case("flux", (("glora-older", -0.7),)),
+    Case("flux", (("glora", 0.8), ("kohya", 0.7))),
     Case("sdxl", (("kohya", 1.0),)),
     Case("sdxl", (("diffusers", 0.9),)),
     Case("sdxl", (("kohya", 0.8), ("diffusers", -0.5))),
     Case("sdxl", (("oft", 1.0),)),
+    Case("sdxl", (("glora", 0.9),)),
     Case("wan21", (("lightx2v", 1.0),)),
     Case("wan21", (("peft", 1.0),)),
     Case("wan21", (("kohya", 1.0),)),

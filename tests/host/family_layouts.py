@@ -91,6 +91,24 @@ class Writer:
         self.sd[prefix + ".oft_blocks"] = self.randn(out // block, block, block, std=std)
         self.sd[prefix + ".alpha"] = self.torch.tensor(0.0)
 
+    def glora(self, prefix: str, *, rank: int = 4, alpha: float = 2.0, older: bool = False) -> None:
+        """LyCORIS GLoRA, ΔW = (W·a1·a2 + b1·b2)·alpha/rank: LyCORIS's current layout (a conv's a1, a2 and b1 are
+        1×1 convs, a1·a2 mixing its channels), or with `older` the older one over the flattened inputs, the two
+        factors of each product named the other way round."""
+        out, fin, kernel = self.target(prefix)
+        ones, n = (1,) * len(kernel), fin * math.prod(kernel)
+        if older:
+            self.sd[prefix + ".a1.weight"] = self.randn(rank, n, std=0.3)
+            self.sd[prefix + ".a2.weight"] = self.randn(n, rank, std=1.0 / math.sqrt(n))
+            self.sd[prefix + ".b1.weight"] = self.randn(rank, n, std=1.0 / math.sqrt(n))
+            self.sd[prefix + ".b2.weight"] = self.randn(out, rank, std=0.05)
+        else:
+            self.sd[prefix + ".a1.weight"] = self.randn(fin, rank, *ones, std=1.0 / math.sqrt(fin))
+            self.sd[prefix + ".a2.weight"] = self.randn(rank, fin, *ones, std=0.3)
+            self.sd[prefix + ".b1.weight"] = self.randn(out, rank, *ones, std=0.05)
+            self.sd[prefix + ".b2.weight"] = self.randn(rank, fin, *kernel, std=1.0 / math.sqrt(n))
+        self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
+
     def diff(self, prefix: str, *, weight: bool = True, bias: bool = True) -> None:
         """Full-weight `.diff` and bias `.diff_b` (lightx2v distill files carry both)."""
         module, _ = self.layer(prefix)
@@ -161,6 +179,14 @@ def flux_oft(w: Writer) -> None:  # LyCORIS diag-OFT with kohya names, the fused
         w.oft("lora_unet_" + name)
 
 
+def flux_glora(w: Writer, older: bool = False) -> None:
+    """LyCORIS GLoRA: kohya names, the fused qkv among them, and a SimpleTuner name that ComfyUI maps to the k slice
+    of a fused qkv, whose W·a1·a2 reads those rows of the weight."""
+    for name in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_1_txt_mlp_2",
+                 "lora_unet_single_blocks_0_linear2", "lycoris_transformer_blocks_1_attn_to_k"):
+        w.glora(name, older=older)
+
+
 def flux_inputs(torch, g) -> dict:
     return {"x": torch.randn(1, 16, 8, 8, generator=g), "timestep": torch.full((1,), 0.5),
             "context": torch.randn(1, 8, 64, generator=g), "y": torch.randn(1, 32, generator=g),
@@ -187,6 +213,17 @@ def sdxl_kohya(w: Writer) -> None:
     for name in linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
                         skip=("input_blocks.0.",)):
         w.lora(kohya(name), rank=4)
+
+
+def sdxl_glora(w: Writer) -> None:
+    """LyCORIS GLoRA on the first three ResBlock convs (3×3: a1·a2 mixes the channels at each kernel position) and
+    attention Linears, kohya names."""
+    modules = linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
+                      skip=("input_blocks.0.",))
+    convs = [n for n in modules if isinstance(w.modules[n], w.torch.nn.Conv2d)][:3]
+    attention = [n for n in modules if ".attn" in n][:3]
+    for name in convs + attention:
+        w.glora(kohya(name))
 
 
 def sdxl_oft(w: Writer) -> None:
@@ -501,9 +538,10 @@ def families(comfy) -> dict[str, Family]:
     return {
         "flux": Family("Flux", flux_config(256, FLUX_DEPTH, FLUX_SINGLE_DEPTH, context_in_dim=64, vec_in_dim=32),
                        flux_inputs, {"kohya": flux_kohya, "diffusers": flux_diffusers, "lokr": flux_lokr,
-                                     "lokr-full": flux_lokr_full, "loha": flux_loha, "oft": flux_oft}),
+                                     "lokr-full": flux_lokr_full, "loha": flux_loha, "oft": flux_oft,
+                                     "glora": flux_glora, "glora-older": lambda w: flux_glora(w, older=True)}),
         "sdxl": Family("SDXL", SDXL_UNET, sdxl_inputs,
-                       {"kohya": sdxl_kohya, "oft": sdxl_oft,
+                       {"kohya": sdxl_kohya, "oft": sdxl_oft, "glora": sdxl_glora,
                         "diffusers": lambda w: sdxl_diffusers(w, comfy.utils.unet_to_diffusers(w.unet_config))},
                        resize=SDXL_TINY),
         "wan21": Family("WAN21_T2V", WAN_UNET, wan_inputs,

@@ -151,11 +151,36 @@ def gguf_oft(models_dir) -> str:
     return OFT
 
 
-@pytest.mark.parametrize("fixture", ["gguf_dora", "gguf_oft"])
+GLORA = "gguf_glora.safetensors"
+
+
+@pytest.fixture(scope="module")
+def gguf_glora(models_dir) -> str:
+    """LyCORIS GLoRA (rank 4) on the same four Linears. Its W·a1·a2 reads the base weight, which ComfyUI-GGUF keeps
+    quantized; on these Linears it runs as a rank-8 adapter whose B holds W·a1."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(models_dir / "loras" / synth.LORA_NAMES["kohya"]), "pt") as f:
+        shapes = {layer: (f.get_slice(f"{layer}.lora_up.weight").get_shape()[0],
+                          f.get_slice(f"{layer}.lora_down.weight").get_shape()[1]) for layer in DORA_LAYERS}
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for layer, (out, fin) in shapes.items():
+        tensors[f"{layer}.a1.weight"] = torch.randn(fin, 4, generator=g) / fin ** 0.5
+        tensors[f"{layer}.a2.weight"] = 0.5 * torch.randn(4, fin, generator=g)
+        tensors[f"{layer}.b1.weight"] = 0.1 * torch.randn(out, 4, generator=g)
+        tensors[f"{layer}.b2.weight"] = torch.randn(4, fin, generator=g) / fin ** 0.5
+        tensors[f"{layer}.alpha"] = torch.tensor(4.0)
+    save_file(tensors, str(models_dir / "loras" / GLORA))
+    return GLORA
+
+
+@pytest.mark.parametrize("fixture", ["gguf_dora", "gguf_oft", "gguf_glora"])
 def test_a_lora_that_reads_the_weight_on_a_gguf_model_matches_its_own_lora_path(gguf_server, fixture, request,
                                                                                 record_property):
-    """DoRA's norm and OFT's rotation read the base weight, which ComfyUI-GGUF keeps quantized. OFT at strength 1,
-    where ComfyUI's (s² · (R − I)·W) and ours (s · (R − I)·W) agree."""
+    """DoRA's norm, OFT's rotation and GLoRA's W·a1·a2 read the base weight, which ComfyUI-GGUF keeps quantized. OFT
+    at strength 1, where ComfyUI's (s² · (R − I)·W) and ours (s · (R − I)·W) agree."""
     name = request.getfixturevalue(fixture)
     run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
     floor = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
