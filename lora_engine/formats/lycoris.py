@@ -14,7 +14,7 @@ LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr
 
 
 def _check_factors(named: dict[str, torch.Tensor | None], path: str, prefix: str) -> None:
-    """Low-rank factors are non-empty matrices (LyCORIS writes 2-D ones); a scalar or an empty factor
+    """Factors are non-empty matrices, or a conv's kernels (LyCORIS writes no other); a scalar or an empty factor
     would fail later with an untyped error, or divide by a zero rank."""
     for part, t in named.items():
         if t is not None and (t.dim() < 2 or t.numel() == 0):
@@ -61,7 +61,7 @@ def parse_lokr(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> s
         consumed: list[str] = []
         parts = {p: _pop(tensors, f"{prefix}.{p}", consumed) for p in LOKR_PARTS}
         alpha = pop_alpha(tensors, prefix, consumed)
-        _check_factors({p: parts[p] for p in ("lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b")}, ctx.path, prefix)
+        _check_factors({p: parts[p] for p in LOKR_PARTS if p != "lokr_t2"}, ctx.path, prefix)
         # As in LyCORIS: alpha/rank applies only when a factor is itself low-rank. LyCORIS gives both factors one
         # rank; where a file's differ, w2's counts, as in ComfyUI's LoraLoader.
         rank = None

@@ -610,6 +610,10 @@ REGRESSIONS = [
                                                "lora_unet_proj.lokr_w1_b": torch.tensor(1.0),
                                                "lora_unet_proj.lokr_w2": torch.ones(8, 96)}),
      LoRAShapeError, "lokr_w1_b"),
+    ("LoKr full factor that is a scalar",
+     lambda d: lora_file(d / "r.safetensors", {"lora_unet_proj.lokr_w1": torch.tensor(0.5),
+                                               "lora_unet_proj.lokr_w2": torch.ones(16, 96)}),
+     LoRAShapeError, "lokr_w1 () is not a non-empty matrix"),
     ("GLoRA factor that is a vector",
      lambda d: lora_file(d / "r.safetensors", {"lora_unet_proj.a1.weight": torch.ones(96), "lora_unet_proj.a2.weight":
                                                torch.ones(2, 96), "lora_unet_proj.b1.weight": torch.ones(16, 2),
