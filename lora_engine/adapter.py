@@ -12,6 +12,7 @@ import torch
 
 from .errors import LoRAFileError, LoRAFormatError
 from .formats import parse_tensors
+from .formats._util import PEFT_META_KEY
 from .patches import LayerPatch, LowRank
 from .reader import read_tensors
 
@@ -53,7 +54,7 @@ class Adapter:
 
     name: str
     identity: FileIdentity
-    fingerprint: str  # content hash of the file: the adapter's identity for fusion ledgers
+    fingerprint: str  # `content_fingerprint`: the adapter's identity for fusion ledgers
     layers: dict[str, LayerPatch]
     formats: tuple[str, ...]
     leftover: tuple[str, ...]
@@ -71,7 +72,23 @@ class Adapter:
         return f"Adapter({self.name!r}, layers={len(self.layers)}, formats={'+'.join(self.formats) or '-'})"
 
 
+def content_fingerprint(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """A hash of what the adapter is: each tensor's name, dtype, shape and bytes, in name order, and the one header
+    entry that parsing reads (PEFT's `lora_adapter_metadata`, which may hold its alpha). Other header metadata
+    (training notes, a LoRA manager's tags) and the tensors' order in the file do not change it, so a file
+    re-saved with other metadata is the same adapter, as far as a fusion ledger is concerned."""
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key]
+        digest.update(f"{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    digest.update((metadata.get(PEFT_META_KEY) or "").encode())
+    return digest.hexdigest()[:32]
+
+
 def file_fingerprint(path: str) -> str:
+    """The SHA-256 of the whole file (its first 32 hex digits): the fingerprint that files baked before
+    `content_fingerprint` record."""
     digest = hashlib.sha256()  # read in chunks: hashlib.file_digest needs Python 3.11
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -92,6 +109,7 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
     """Read, validate and parse one file. Raises a `LoRAError` subclass naming the file."""
     identity = FileIdentity.of(path)
     tensors, metadata = read_tensors(identity.path)
+    fingerprint = content_fingerprint(tensors, metadata)
     if convert is not None:
         try:
             tensors = convert(tensors)
@@ -117,7 +135,7 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
     if pin:
         _pin(parsed.layers)
     _column_major(parsed.layers)
-    return Adapter(name=name or os.path.basename(path), identity=identity, fingerprint=file_fingerprint(path),
+    return Adapter(name=name or os.path.basename(path), identity=identity, fingerprint=fingerprint,
                    layers=parsed.layers, formats=parsed.formats, leftover=parsed.leftover, metadata=metadata)
 
 

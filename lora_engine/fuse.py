@@ -14,10 +14,10 @@ was fused at which strength, and a checksum of every weight it wrote. Rules:
 
 The operation is all-or-nothing. A first pass computes and checks every new
 weight (shape, finiteness, a bias to receive a bias diff, interruption) and
-writes nothing; the second pass writes. The second pass is a commit: an error
-raised by the `progress` callback during it (ComfyUI's progress hook raises
-when the prompt is interrupted) is held until every layer is written and the
-ledger recorded, then raised. Any other failure there (memory, I/O) leaves
+writes nothing; the second pass writes. The second pass is a commit: whatever
+the `progress` callback raises during it (ComfyUI's progress hook raises its
+interrupt, a BaseException, when the prompt is interrupted) is held until
+every layer is written and the ledger recorded, then raised. Any other failure there (memory, I/O) leaves
 the written layers in place with no backup to restore them from, so the
 ledger marks the model torn and every later fusion into it is refused until
 its weights are reloaded. Peak memory stays near one layer in fp32 above the
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .adapter import Adapter
-from .binding import bind
+from .binding import MatchReport, bind
 from .errors import FuseError, LoRAError, NonFiniteError
 from .keymap import KeyMap
 
@@ -68,6 +68,7 @@ class FuseResult:
     fused: bool
     layers: int
     reason: str
+    report: MatchReport | None = None  # the adapter's match report on the model (None where nothing was done)
 
 
 def ledger_of(root: nn.Module) -> Ledger | None:
@@ -89,11 +90,12 @@ def _intact(root_modules: dict[str, nn.Module], ledger: Ledger) -> bool:
 def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap | None = None,
          originals: Originals | None = None, progress: Callable[[int, int], None] | None = None,
          check: Callable[[], None] | None = None, keep_bytes: int = 256 * 1024**2,
-         model_name: str | None = None) -> FuseResult:
+         model_name: str | None = None, model_path: str | None = None) -> FuseResult:
     """Fuse `adapter` at `strength` into `root`'s weights. See the module docstring for the rules.
 
     `progress(done, total)` is called per layer; `check()` may raise to interrupt (first pass only;
-    an error `progress` raises in the write pass is raised after the commit).
+    what `progress` raises in the write pass is raised after the commit). `model_path` names the model's file
+    in the error for a weight that is not finite before fusing.
     """
     keymap = keymap or KeyMap(root)
     strength = float(strength)
@@ -126,12 +128,15 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                         remedy="reload the model from disk, or pass originals= to fuse()")
     names = sorted(set(plans) | (set(prior.modules) if prior else set()))
 
+    def original(name: str) -> torch.Tensor | None:
+        if not from_originals:
+            return None
+        return originals(name) if callable(originals) else originals.get(name)
+
     def new_weight(name: str) -> torch.Tensor:
         module = keymap.modules[name]
         w = module.weight
-        base = None
-        if from_originals:
-            base = originals(name) if callable(originals) else originals.get(name)
+        base = original(name)
         if base is not None:
             base = base.to(w.device, torch.float32, copy=True).reshape(w.shape)  # the caller's tensor stays as it is
             for f in others:
@@ -147,6 +152,12 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 base = base + strength * d.reshape(base.shape)
         return base
 
+    def finite_before(name: str) -> bool:
+        """The layer's weight before this fusion (the caller's unfused one, else the loaded one) is finite."""
+        base = original(name)
+        w = base if base is not None else keymap.modules[name].weight
+        return bool(torch.isfinite(w.detach().float() if w.element_size() == 1 else w.detach()).all())
+
     bias_strength = strength - (prior.strength if prior else 0.0)
     kept: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor] = {}  # the new biases, made and checked in the first pass (one vector a layer)
@@ -158,6 +169,10 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 check()
             nw = new_weight(name)
             if not bool(torch.isfinite(nw).all()):
+                if not finite_before(name):
+                    raise NonFiniteError(f"the model's weight of layer {name!r} holds NaN or Inf before fusing",
+                                         path=model_path, key=name,
+                                         remedy="the model file is broken; download or export it again")
                 raise NonFiniteError(f"fusing gives NaN or Inf in layer {name!r}", path=adapter.path,
                                      remedy="the LoRA is broken, or the strength too large for this dtype")
             bias = _new_bias(keymap.modules[name], plans.get(name), bias_strength, adapter.path)
@@ -184,7 +199,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
         raise FuseError(f"fusion failed before any weight was written: {e}", path=adapter.path) from e
 
     ledger = ledger or Ledger()
-    held: Exception | None = None  # the first error of the progress callback, raised once the commit is done
+    held: BaseException | None = None  # the first error of the progress callback, raised once the commit is done
     written = 0
     try:
         with torch.no_grad():
@@ -201,7 +216,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
                 if progress is not None:
                     try:
                         progress(total + i + 1, 2 * total)
-                    except Exception as e:  # noqa: BLE001  (held, and raised once every layer is written)
+                    except BaseException as e:  # noqa: B036  (held, and raised once every layer is written)
                         held = held or e
     except BaseException as e:
         ledger.torn = adapter.name
@@ -216,7 +231,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
     log.info("lora_engine: fused %s at strength %s into %d layers", adapter.name, strength, len(names))
     if held is not None:
         raise held
-    return FuseResult(True, len(names), "re-fused from the unfused weights" if refuse else "fused")
+    return FuseResult(True, len(names), "re-fused from the unfused weights" if refuse else "fused", binding.report)
 
 
 def _new_bias(module: nn.Module, plan, strength: float, path: str | None) -> torch.Tensor | None:

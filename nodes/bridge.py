@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 import re
+import struct
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import comfy.lora
@@ -33,13 +36,17 @@ import torch
 from lora_engine import (
     Adapter,
     KeyMap,
+    LoRAError,
     LoRAFileError,
     LoRANoMatchError,
+    NonFiniteError,
     SlotBank,
     SlotLimitError,
     all_banks,
     bind,
     default_cache,
+    ledger_of,
+    read_header,
 )
 from lora_engine.binding import no_match, runtime_path, unhookable_note, widened_note
 from lora_engine.blocks import BlockWeights, layer_weights, layout
@@ -292,6 +299,16 @@ def _log_once(adapter: Adapter, root, report: dict) -> None:
     if report["leftover"]:
         line += f"; {len(report['leftover'])} unparsed keys, e.g. {', '.join(report['leftover'][:3])}"
     (log.warning if report["partial"] else log.info)(line)
+
+
+def _warn_fused(adapter: Adapter, root, strength) -> None:
+    """A warning, once per model, where the stack adds a LoRA that DistillFuse has fused into the model already."""
+    ledger = ledger_of(root)
+    fusion = ledger.fusions.get(adapter.fingerprint) if ledger is not None else None
+    if fusion is None or not _first_time(("fused", adapter.fingerprint, id(root))):
+        return
+    log.warning("[MultiLoRA] %s is already fused into this model (DistillFuse, strength %s); the stack applies it "
+                "again, at strength %s", adapter.name, fusion.strength, strength)
 
 
 # -- the injection ---------------------------------------------------------------------------------------
@@ -662,6 +679,7 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             raise no_match(f"{adapter.name} matches no layer of {target}", adapter,
                            sorted(_unhookable(adapter.layers, roots)))
         _log_once(adapter, unet_root, _report(adapter, on_model, on_clip, clip_root is not None, unbound))
+        _warn_fused(adapter, unet_root, sm)
         schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
         if on_model is not None:
             model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
@@ -805,53 +823,125 @@ def stored_weights(path: str, root):
                  "(their names differ in the file)", found["stored"], found["loaded"])
 
 
-def bake_target(name: str, overwrite: bool, base_path: str) -> str:
-    """Where a baked model may be written: in the diffusion_models folder that holds the base model,
-    never outside it."""
+def bake_target(name: str, overwrite: bool, base_path: str, metadata: dict[str, str]) -> str:
+    """Where a baked model may be written: in the diffusion_models folder that holds the base model, never outside
+    it, never over the base model itself, under a name every file system takes. An existing file is an error
+    unless `overwrite` is on, or it is this very bake (its `metadata` records the same base and fusions)."""
     _check_relative(name, "diffusion_models")
-    if not name.endswith(".safetensors"):
-        raise LoRAFileError("a baked model is written as .safetensors", path=name,
-                            remedy="end the bake name with .safetensors")
-    roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths("diffusion_models")]
-    folder = next((r for r in roots if base_path.startswith(r.rstrip(os.sep) + os.sep)), roots[0])
-    target = os.path.realpath(os.path.join(folder, name))
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise LoRAFileError("a bake name with a control character (a newline, a tab) is refused", path=repr(name),
+                            remedy="type the name on one line, without tabs")
+    if not name.endswith(".safetensors") or name.replace("\\", "/").rsplit("/", 1)[-1] == ".safetensors":
+        raise LoRAFileError("a baked model is written as <name>.safetensors", path=name,
+                            remedy="end the bake name with .safetensors, after a file name")
+    if any(len(part.encode()) > MAX_COMPONENT for part in name.replace("\\", "/").split("/")):
+        raise LoRAFileError(f"a folder or file name in the bake name is longer than {MAX_COMPONENT} bytes, which file "
+                            "systems refuse", path=name[:80] + "...", remedy="choose a shorter bake_name")
+    folder, target = _bake_folder(base_path), bake_path(name, base_path)
+    if target == os.path.realpath(base_path):
+        raise LoRAFileError("the bake target is the base model itself; baking over it would lose the unfused "
+                            "weights", path=name, remedy="choose another bake_name")
     if not target.startswith(folder.rstrip(os.sep) + os.sep):
         raise LoRAFileError("the bake target resolves outside the diffusion_models folder", path=name)
     if os.path.isdir(target):
         raise LoRAFileError("a folder of this name exists in diffusion_models", path=name,
                             remedy="choose another bake_name")
-    if os.path.exists(target) and not overwrite:
+    if os.path.exists(target) and not overwrite and not _same_bake(target, metadata):
         raise LoRAFileError("a file of this name already exists in diffusion_models", path=name,
                             remedy="choose another bake_name, or turn overwrite on")
     return target
 
 
-def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str, str]) -> None:
-    """Save the fused diffusion model in the base file's precision, atomically."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
-    dtypes = {}
-    if base_path.endswith(SAFETENSORS):
-        with safe_open(base_path, framework="pt", device="cpu") as f:
-            for k in f.keys():
-                dtypes[k] = f.get_slice(k).get_dtype()
-    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
-             "F8_E5M2": torch.float8_e5m2, "F64": torch.float64}
-    sd = {}
-    for k, t in model.model.diffusion_model.state_dict().items():
-        stored = names.get(dtypes.get(k) or dtypes.get("model.diffusion_model." + k) or "")
-        sd[k] = t.detach().to("cpu", stored or t.dtype).contiguous()
+MAX_COMPONENT = 255  # bytes in one file or folder name (ext4, XFS, APFS, NTFS)
+
+
+def _bake_folder(base_path: str) -> str:
+    """The diffusion_models folder that holds the base model (the first one for a base elsewhere)."""
+    roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths("diffusion_models")]
+    return next((r for r in roots if base_path.startswith(r.rstrip(os.sep) + os.sep)), roots[0])
+
+
+def bake_path(name: str, base_path: str) -> str:
+    """The real path a bake name gives, unchecked (`bake_target` checks it)."""
+    return os.path.realpath(os.path.join(_bake_folder(base_path), name))
+
+
+def _same_bake(path: str, metadata: dict[str, str]) -> bool:
+    """`path` is a file this pack baked from the same base file with the same fusions."""
+    try:
+        held = read_header(path).metadata
+    except LoRAError:
+        return False
+    return all(held.get(k) == v for k, v in metadata.items())
+
+
+def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str, str], pbar=None,
+         check: Callable[[], None] | None = None) -> None:
+    """Save the fused diffusion model in the base file's precision: one tensor at a time, cast and checked in
+    that precision (a weight the cast would make infinite is refused, naming the layer), into a temporary file
+    of the target's folder that replaces the target once complete, and is removed on any error or interrupt
+    (`check`, between tensors). `pbar` counts the tensors. A target that already is this bake is left as it
+    is, unless `overwrite`."""
     if os.path.exists(target) and not overwrite:
-        raise LoRAFileError("a file of this name already exists in diffusion_models", path=target)
-    tmp = target + ".partial"
+        if not _same_bake(target, metadata):
+            raise LoRAFileError("a file of this name already exists in diffusion_models", path=target)
+        log.info("[MultiLoRA] %s already holds this bake; not written again", target)
+        return
+    stored = _stored_dtypes(base_path)
+    state = model.model.diffusion_model.state_dict()
+    items = [(k, t, stored.get(k) or stored.get("model.diffusion_model." + k) or t.dtype) for k, t in state.items()]
+    tmp = None
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)  # a bake name may name a new subfolder
-        save_file(sd, tmp, metadata=metadata)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".multilora-bake-", suffix=".partial")
+        with os.fdopen(fd, "wb") as f:
+            _write_safetensors(f, items, metadata, target, pbar, check)
         os.replace(tmp, target)
-    except (OSError, SafetensorError) as e:
-        raise LoRAFileError(f"the baked model could not be written ({e})", path=target,
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        raise LoRAFileError(f"the baked model could not be written ({e.strerror or e}{where})", path=target,
                             remedy="check the free disk space and the folder's permissions") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
     log.info("[MultiLoRA] baked %s", target)
+
+
+_ST_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _stored_dtypes(path: str) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in a safetensors file, by name (empty for another file)."""
+    if not path.endswith(SAFETENSORS):
+        return {}
+    by_name = {v: k for k, v in _ST_DTYPES.items()}
+    return {k: by_name[info.dtype] for k, info in read_header(path).tensors.items() if info.dtype in by_name}
+
+
+def _write_safetensors(f, items, metadata: dict[str, str], target: str, pbar, check) -> None:
+    """The safetensors layout (8-byte header length, JSON header, then each tensor's bytes at its offsets), written
+    one tensor at a time, so that no second copy of the model is held."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t, dtype in items:
+        size = t.numel() * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for i, (name, t, dtype) in enumerate(items):
+        if check is not None:
+            check()
+        out = t.detach().to("cpu", dtype).contiguous()
+        if dtype.is_floating_point and t.is_floating_point() and not bool(torch.isfinite(out).all()):
+            if bool(torch.isfinite(t).all()):
+                raise NonFiniteError(f"the fused weight {name!r} overflows {str(dtype).replace('torch.', '')}, the "
+                                     "base file's precision", path=target,
+                                     remedy="lower the strength (nothing was written)")
+            raise NonFiniteError(f"the model's weight {name!r} holds NaN or Inf", path=target,
+                                 remedy="the base model file is broken; download or export it again")
+        f.write(out.reshape(-1).view(torch.uint8).numpy())
+        if pbar is not None:
+            pbar.update_absolute(i + 1, len(items))

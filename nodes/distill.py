@@ -27,6 +27,7 @@ import os
 import threading
 
 from lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
+from lora_engine.adapter import file_fingerprint
 
 from . import bridge
 from .stack import CATEGORY, STRENGTH, finite_strength, is_strength
@@ -90,7 +91,7 @@ def _logged(unet_path: str, lora_name: str, strength: float):
 def recorded_fusions(path: str) -> list[dict]:
     """The fusions a baked file declares in its header (empty for any other file). A record that cannot be read
     is refused rather than taken for none: the file was baked, and fusing into it again could fuse a LoRA twice."""
-    if not path.endswith(".safetensors"):
+    if not path.endswith(bridge.SAFETENSORS):
         return []
     raw = read_header(path).metadata.get(META_FUSIONS)
     if not raw:
@@ -106,20 +107,41 @@ def recorded_fusions(path: str) -> list[dict]:
     return doc
 
 
+def _recorded(unet_path: str, adapter, lora_name: str) -> dict | None:
+    """The baked file's record of this LoRA: by its fingerprint, or by the whole-file hash that files baked before
+    content fingerprints record. A record of another file under the LoRA's name is refused: fusing it would put a
+    second version of one distilled LoRA into the model."""
+    fusions = recorded_fusions(unet_path)
+    legacy = None
+    for f in fusions:
+        if f.get("fingerprint") == adapter.fingerprint:
+            return f
+        if legacy is None and isinstance(f.get("fingerprint"), str):
+            legacy = file_fingerprint(adapter.path)
+        if f.get("fingerprint") == legacy:
+            return f
+    named = next((f for f in fusions if f.get("lora") == lora_name), None)
+    if named is not None:
+        raise FuseError(f"{os.path.basename(unet_path)} already holds a fusion of a LoRA named {lora_name!r} whose "
+                        "content differs from this file's; fusing it would apply that LoRA twice", path=unet_path,
+                        remedy="load the original base model with DistillFuse instead of the baked file")
+    return None
+
+
 def load_fused(unet_path: str, model_options: dict, lora_name: str, strength: float, disable_dynamic: bool = True):
     """Load the diffusion model and fuse the LoRA into it. Also ComfyUI's reload hook for the result."""
     adapter = bridge.load_lora(lora_name)
-    for f in recorded_fusions(unet_path):
-        if f.get("fingerprint") == adapter.fingerprint:
-            if float(f["strength"]) == float(strength):
-                log.info("[MultiLoRA] %s already holds %s at strength %s (from its metadata); not fused again",
-                         os.path.basename(unet_path), adapter.name, strength)
-                model = bridge.load_unet(unet_path, model_options)
-                model.cached_patcher_init = (load_fused, (unet_path, model_options, lora_name, strength))
-                return model
+    recorded = _recorded(unet_path, adapter, lora_name)
+    if recorded is not None:
+        if float(recorded["strength"]) != float(strength):
             raise FuseError(f"{os.path.basename(unet_path)} already holds {adapter.name} fused at strength "
-                            f"{f.get('strength')}; it cannot be re-fused at {strength}", path=unet_path,
+                            f"{recorded.get('strength')}; it cannot be re-fused at {strength}", path=unet_path,
                             remedy="load the original base model with DistillFuse instead of the baked file")
+        log.info("[MultiLoRA] %s already holds %s at strength %s (from its metadata); not fused again",
+                 os.path.basename(unet_path), adapter.name, strength)
+        model = bridge.load_unet(unet_path, model_options)
+        model.cached_patcher_init = (load_fused, (unet_path, model_options, lora_name, strength))
+        return model
     model = bridge.load_unet(unet_path, model_options)
     root = model.model
     if ledger_of(root) is None or adapter.fingerprint not in ledger_of(root).fusions:
@@ -130,11 +152,31 @@ def load_fused(unet_path: str, model_options: dict, lora_name: str, strength: fl
                 pbar.update_absolute(done, total)
 
             result = fuse(root, adapter, strength, keymap=bridge.unet_keymap(root), originals=originals,
-                          progress=progress, check=bridge.check_interrupt, model_name=type(root).__name__)
+                          progress=progress, check=bridge.check_interrupt, model_name=type(root).__name__,
+                          model_path=unet_path)
         log.info("[MultiLoRA] fused %s at strength %s into %d layers of %s (%s)", adapter.name, strength,
                  result.layers, os.path.basename(unet_path), type(root).__name__)
+        _warn_partial(result.report, os.path.basename(unet_path))
     model.cached_patcher_init = (load_fused, (unet_path, model_options, lora_name, strength))
     return model
+
+
+def _warn_partial(report, unet_name: str) -> None:
+    """A warning naming the LoRA's keys that were not fused: those of the text encoder (DistillFuse loads the
+    diffusion model alone), and those no layer of the model takes (another model or model size), as stock loaders
+    log theirs."""
+    if report is None or not report.partial:
+        return
+    text = [k for k in report.unmatched if bridge.TEXT_ENCODER_LAYER.match(k)]
+    other = [k for k in report.unmatched if not bridge.TEXT_ENCODER_LAYER.match(k)]
+    parts = []
+    if other:
+        parts.append(f"{len(other)} layer keys match no layer of {unet_name}, e.g. {', '.join(other[:3])}")
+    if text:
+        parts.append(f"{len(text)} text-encoder layers are not fused (DistillFuse loads the diffusion model only)")
+    if report.leftover:
+        parts.append(f"{len(report.leftover)} keys were not parsed, e.g. {', '.join(report.leftover[:3])}")
+    log.warning("[MultiLoRA] DistillFuse %s: %s", report.adapter, "; ".join(parts))
 
 
 class DistillFuse:
@@ -161,18 +203,28 @@ class DistillFuse:
             },
             "optional": {
                 "bake": ("BOOLEAN", {"default": False, "tooltip": "Also save the fused model as a new file in "
-                                     "diffusion_models (see bake_name), in the base file's precision."}),
+                                     "diffusion_models (see bake_name), in the base file's precision. The file is "
+                                     "written when the node runs: connect its MODEL to a node that runs, such as a "
+                                     "sampler."}),
                 "bake_name": ("STRING", {"default": "", "tooltip": "File name for the baked model (.safetensors), "
                                          "relative to diffusion_models; empty: <base>_<lora>_<strength>"
                                          ".safetensors next to the base model."}),
                 "overwrite": ("BOOLEAN", {"default": False, "tooltip": "Allow the bake to replace an existing "
-                                          "file. Off: an existing file is an error."}),
+                                          "file. Off: an existing file is an error, unless it already is this bake "
+                                          "(the same base model, LoRA and strength), which is kept."}),
             },
         }
 
     @classmethod
-    def IS_CHANGED(cls, unet_name=None, lora_name=None, **_):
-        return bridge.file_state("diffusion_models", [unet_name]) + "\n" + bridge.file_state("loras", [lora_name])
+    def IS_CHANGED(cls, unet_name=None, lora_name=None, strength=None, bake=False, bake_name="", **_):
+        state = bridge.file_state("diffusion_models", [unet_name]) + "\n" + bridge.file_state("loras", [lora_name])
+        if bake:
+            try:
+                target = _bake_path(unet_name, lora_name, strength, bake_name)
+            except (LoRAFileError, OSError, TypeError, ValueError):
+                return state  # the run reports the name's error
+            state += f"\nbake {target}: {_bake_generation(target)}"
+        return state
 
     def load(self, unet_name, weight_dtype, lora_name, strength, bake=False, bake_name="", overwrite=False):
         strength = finite_strength(strength, "strength", lora_name)
@@ -183,27 +235,66 @@ class DistillFuse:
             raise LoRAFileError("DistillFuse loads .safetensors models only; pickled checkpoints are never "
                                 "unpickled", path=unet_name, remedy="convert the model to .safetensors")
         bridge.refuse_quantized(read_header(unet_path))  # a truncated or corrupt file fails here too, naming it
-        target = None
+        target = metadata = generation = None
         if bake:
             if weight_dtype != "default":
                 raise LoRAFileError("bake saves the fused weights in the base file's precision; an fp8 model "
                                     "would be saved lossy", remedy="bake with weight_dtype 'default', then load "
                                     "the baked file with fp8")
+            metadata = _bake_metadata(unet_name, unet_path, lora_name, strength)
             target = bridge.bake_target(bake_name or default_bake_name(unet_name, lora_name, strength), overwrite,
-                                        unet_path)
+                                        unet_path, metadata)
+            generation = _bake_generation(target)
         model = load_fused(unet_path, bridge.unet_options(weight_dtype), lora_name, strength)
         if target is not None:
-            adapter = bridge.load_lora(lora_name)
-            fusions = recorded_fusions(unet_path) + [
-                {"lora": lora_name, "fingerprint": adapter.fingerprint, "strength": strength}]
-            st = os.stat(unet_path)
             baking = _record(unet_path, lora_name, strength, state="baking", bake=os.path.basename(target))
             with _ends(baking, "baked"):
-                bridge.bake(model, unet_path, target, overwrite, {
-                    META_FUSIONS: json.dumps(fusions),
-                    META_BASE: json.dumps({"name": unet_name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}),
-                })
+                bridge.bake(model, unet_path, target, overwrite, metadata, bridge.progress(1),
+                            bridge.check_interrupt)
+            with _log_lock:
+                _bakes[target] = (_stat(target), generation)
         return (model,)
+
+
+# A bake this process wrote or found in place: target -> (its file's state then, the generation IS_CHANGED gave).
+# A baked file deleted or replaced since gives the next generation, so ComfyUI runs the node again rather than
+# serve its cached model, and the bake is written again; the same file gives the same generation, and the cache
+# serves the run.
+_bakes: dict[str, tuple[tuple | None, int]] = {}
+
+
+def _stat(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
+
+def _bake_generation(target: str) -> int:
+    with _log_lock:
+        seen = _bakes.get(target)
+    if seen is None:
+        return 0
+    state, generation = seen
+    return generation if _stat(target) == state else generation + 1
+
+
+def _bake_path(unet_name, lora_name, strength, bake_name) -> str:
+    unet_path = bridge.resolve("diffusion_models", unet_name)
+    return bridge.bake_path(bake_name or default_bake_name(unet_name, lora_name, float(strength)), unet_path)
+
+
+def _bake_metadata(unet_name: str, unet_path: str, lora_name: str, strength: float) -> dict[str, str]:
+    """What a baked file records: every fusion it holds (the base file's own, then this one, once) and the base
+    file it was made from."""
+    fusions = recorded_fusions(unet_path)
+    adapter = bridge.load_lora(lora_name)
+    if _recorded(unet_path, adapter, lora_name) is None:
+        fusions = fusions + [{"lora": lora_name, "fingerprint": adapter.fingerprint, "strength": strength}]
+    st = os.stat(unet_path)
+    return {META_FUSIONS: json.dumps(fusions),
+            META_BASE: json.dumps({"name": unet_name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})}
 
 
 def default_bake_name(unet_name: str, lora_name: str, strength: float) -> str:

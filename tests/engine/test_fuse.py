@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -88,6 +89,27 @@ def test_non_finite_result_leaves_weights_unchanged(tmp_path):
     assert ledger_of(model) is None
 
 
+def test_a_weight_not_finite_before_fusing_is_named_as_the_model_s(tmp_path, adapter):
+    """A broken base model is not blamed on the LoRA: the error names the model's file and the layer."""
+    model = lf.tiny()
+    with torch.no_grad():
+        model.ff.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError) as e:
+        fuse(model, adapter, 1.0, model_path="/models/base.safetensors")
+    msg = str(e.value)
+    assert "model's weight of layer 'ff' holds NaN or Inf before fusing" in msg and "base.safetensors" in msg, msg
+    assert e.value.key == "ff" and "lora" not in os.path.basename(e.value.path)
+    assert ledger_of(model) is None
+
+
+def test_the_result_carries_the_match_report(tmp_path):
+    model = lf.tiny()
+    t = {**lf.lora_tensors(model, "kohya", 3, layers=("proj", "ff")),
+         "lora_unet_missing.lora_down.weight": torch.zeros(2, 4), "lora_unet_missing.lora_up.weight": torch.zeros(4, 2)}
+    result = fuse(model, load_adapter(lf.write(tmp_path, "part.safetensors", t)), 1.0)
+    assert result.report.matched == 2 and result.report.unmatched == ("lora_unet_missing",) and result.report.partial
+
+
 def test_interruption_leaves_weights_unchanged(adapter):
     model = lf.tiny()
     before = copy.deepcopy(model.state_dict())
@@ -152,8 +174,9 @@ def test_fp8_saturation_is_an_overflow_error(tmp_path):
     assert all(torch.equal(before[k], v.float()) for k, v in model.state_dict().items())
 
 
-class InterruptProcessingException(Exception):
-    """Named as ComfyUI's, which the engine lets through unwrapped."""
+class InterruptProcessingException(BaseException):
+    """Named and derived as ComfyUI's (comfy/model_management.py: a BaseException), which the engine lets through
+    unwrapped."""
 
 
 def raises_after(k: int):
@@ -252,3 +275,21 @@ def test_fusing_from_originals_leaves_them_as_they_are_and_adds_each_fusion_once
     with torch.no_grad():
         assert (model(x) - expected(x)).abs().max() <= 1e-5
         assert (model(x) - lf.tiny()(x)).abs().max() > 1e-2
+
+
+def test_the_fingerprint_is_the_adapter_s_content_not_the_file_s_bytes(tmp_path):
+    """A fusion ledger knows a LoRA by its fingerprint: the same tensors re-saved with other header metadata (a LoRA
+    manager's tags) or in another order are the same LoRA; PEFT's alpha metadata, or one value, makes another."""
+    t = lf.lora_tensors(lf.tiny(), "kohya", 3)
+    first = load_adapter(lf.write(tmp_path, "a.safetensors", t, {"ss_tag": "1"}))
+    tagged = load_adapter(lf.write(tmp_path, "b.safetensors", dict(reversed(list(t.items()))), {"ss_tag": "2",
+                                                                                                  "note": "x"}))
+    assert open(first.path, "rb").read() != open(tagged.path, "rb").read()
+    assert tagged.fingerprint == first.fingerprint
+    model = lf.tiny()
+    fuse(model, first, 1.0)
+    assert not fuse(model, tagged, 1.0).fused  # the same LoRA: not fused twice
+    peft_alpha = load_adapter(lf.write(tmp_path, "c.safetensors", t, {"lora_adapter_metadata": '{"lora_alpha": 8}'}))
+    changed = dict(t, **{"lora_unet_ff.lora_up.weight": t["lora_unet_ff.lora_up.weight"] * 2})
+    other = load_adapter(lf.write(tmp_path, "d.safetensors", changed))
+    assert len({first.fingerprint, peft_alpha.fingerprint, other.fingerprint}) == 3

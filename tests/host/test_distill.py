@@ -19,13 +19,15 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pathlib import Path
+
 from bench import soak
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
 from .conftest import UNET_NAME, place
 from .test_multilora import mad, one
-from .workflows import model_graph
+from .workflows import loader_nodes, model_graph
 
 pytestmark = pytest.mark.host
 
@@ -92,6 +94,21 @@ def test_never_twice(server, images):
     assert np.array_equal(one(server, distill()), images["ours"])
 
 
+def test_what_is_not_fused_and_a_lora_fused_twice_are_logged(server, images):
+    """The kohya LoRA's text-encoder keys are not fused (DistillFuse loads the diffusion model alone): a warning
+    says so, as stock loaders log the keys they leave. The same LoRA put on the fused model by a stack is applied
+    a second time: a warning says that too."""
+    server.free()  # DistillFuse runs again
+    log_at = server.log_offset()
+    nodes = {"20": distill()["20"], **loader_nodes([(LORA, 0.5)], ["20", 0])}
+    twice = one(server, model_graph(nodes, ["ml", 0], prefix="distill"))
+    text = server.log_text(since=log_at)
+    assert f"DistillFuse {LORA}: " in text and "text-encoder layers are not fused" in text, text[-2000:]
+    assert f"{LORA} is already fused into this model (DistillFuse, strength {STRENGTH}); the stack applies it " \
+           "again, at strength 0.5" in text, text[-2000:]
+    assert mad(twice, images["ours"]) > 1.0
+
+
 def test_a_lora_file_replaced_on_disk_is_fused_when_the_prompt_is_queued_again(server, images, models_dir):
     """ComfyUI would serve the fused model it cached; DistillFuse reports its files' sizes and modification
     times (IS_CHANGED), so the same prompt queued again loads the base again and fuses the new file, once."""
@@ -135,6 +152,49 @@ def test_bake_round_trip_and_its_metadata_prevents_refusion(server, images, mode
         server.run(distill(unet=name, strength=0.3))
     with pytest.raises(ComfyExecutionError, match="already exists"):
         server.run(distill(strength=0.5, bake=True, bake_name=name))
+    # The same bake run again on a fresh cache (a restarted server) keeps the file; deleted, it is written again
+    # when the same prompt is queued again, and then served from ComfyUI's cache.
+    bake_prompt, mtime = distill(bake=True, bake_name=name, overwrite=False), target.stat().st_mtime_ns
+    server.free()
+    log_at = server.log_offset()
+    assert np.array_equal(one(server, bake_prompt), images["ours"]) and target.stat().st_mtime_ns == mtime
+    assert "already holds this bake; not written again" in server.log_text(since=log_at)
+    target.unlink()
+    assert np.array_equal(one(server, bake_prompt), images["ours"]) and target.is_file()
+    log_at = server.log_offset()
+    one(server, bake_prompt)
+    assert "[MultiLoRA] fused" not in server.log_text(since=log_at)  # cached: nothing loaded or fused again
+
+
+def test_a_baked_file_is_known_by_its_record_whatever_its_suffix_or_the_lora_s_header(server, images, models_dir):
+    """A baked file renamed .sft keeps its record; the LoRA re-saved with other header metadata (a LoRA manager's
+    tags) is the same LoRA, not fused again; another file under a recorded LoRA's name is refused."""
+    folder, loras = models_dir / "diffusion_models", models_dir / "loras"
+    baked, sft, other = folder / "distill_known.safetensors", folder / "distill_known.sft", folder / "distill_k2.sft"
+    tagged = loras / "distill_tagged.safetensors"
+    with safe_open(str(loras / LORA), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = dict(f.metadata() or {})
+    save_file(tensors, str(tagged), metadata={**meta, "manager.tags": "lightning"})
+    try:
+        one(server, distill(bake=True, bake_name=baked.name))
+        os.replace(baked, sft)
+        plain = one(server, stock(loader=None, unet=sft.name))
+        log_at = server.log_offset()
+        assert np.array_equal(one(server, distill(unet=sft.name)), plain)
+        assert np.array_equal(one(server, distill(unet=sft.name, lora=tagged.name)), plain)
+        assert server.log_text(since=log_at).count("not fused again") == 2
+        one(server, distill(lora=tagged.name, bake=True, bake_name=baked.name))
+        os.replace(baked, other)
+        key = next(k for k in tensors if k.endswith("lora_up.weight"))
+        save_file({**tensors, key: tensors[key] * 2}, str(tagged) + ".tmp")
+        os.replace(str(tagged) + ".tmp", tagged)
+        with pytest.raises(ComfyExecutionError, match="already holds a fusion of a LoRA named 'distill_tagged"):
+            server.run(distill(unet=other.name, lora=tagged.name))
+    finally:
+        for p in (baked, sft, other, tagged):
+            if p.exists():
+                p.unlink()
 
 
 def test_a_bake_name_may_name_a_new_subfolder(server, images, models_dir):
@@ -194,6 +254,23 @@ def test_a_bake_that_cannot_be_written_fails_naming_its_target(server, images, m
     assert np.array_equal(one(server, distill()), images["ours"])
 
 
+def test_the_bake_writer_checks_the_base_precision_and_leaves_nothing_half_written(run_script, tmp_path):
+    """`bake_check.py` (its docstring says how): one tensor at a time, into a temporary file of the target's folder,
+    which an interrupt or a weight that overflows the base file's precision removes, leaving no file behind."""
+    result = json.loads(run_script(Path(__file__).resolve().parent / "bake_check.py", tmp_path / "result.json"))
+    written = result["written"]
+    assert written["error"] is None and written["files"] == ["baked.safetensors"] and written["bar"] == [4, 4]
+    assert written["dtypes"] == ["torch.float16"] and written["equal"] and "multilora.fusions" in written["metadata"]
+    assert result["interrupted"]["error"].startswith("Interrupted") and result["interrupted"]["files"] == []
+    assert result["interrupted"]["bar"] == [2, 4]
+    overflow = result["overflow"]
+    assert "the fused weight '1.weight' overflows float16" in overflow["error"] and overflow["files"] == []
+    assert result["same_bake"] == {"error": None, "bar": None, "files": ["baked.safetensors"], "mtime_ns": 1}
+    partial = result["partial"]
+    assert partial["users_file"] == "the user's" and partial["files"] == ["baked.safetensors",
+                                                                         "baked.safetensors.partial"]
+
+
 @pytest.mark.parametrize("case,inputs,texts", [
     ("other family", {"lora_name": "distill_flux_family.safetensors"}, ["distill_flux_family.safetensors",
                                                                         "matches no layer"]),
@@ -210,6 +287,14 @@ def test_a_bake_that_cannot_be_written_fails_naming_its_target(server, images, m
     ("fp8 bake", {"bake": True, "bake_name": "fp8.safetensors", "weight_dtype": "fp8_e4m3fn"}, ["precision"]),
     ("non-finite fusion", {"lora_name": "distill_huge.safetensors", "weight_dtype": "fp8_e4m3fn"},
      ["distill_huge.safetensors", "layer"]),
+    # the model loads in fp32 on a CPU, where the fusion fits; the base file stores fp16, which the bake keeps
+    ("bake that overflows the base precision", {"lora_name": "distill_huge.safetensors", "bake": True,
+                                                "bake_name": "distill_huge_bake.safetensors"},
+     ["distill_huge_bake.safetensors", "overflows float16, the base file's precision", "lower the strength"]),
+    ("bake name with a newline", {"bake": True, "bake_name": "a\nb.safetensors"}, ["control character"]),
+    ("bake name that is an extension", {"bake": True, "bake_name": "sub/.safetensors"}, ["<name>.safetensors"]),
+    ("bake name of 300 bytes", {"bake": True, "bake_name": "x" * 288 + ".safetensors"}, ["longer than 255 bytes"]),
+    ("bake over the base", {"bake": True, "bake_name": UNET, "overwrite": True}, ["the base model itself"]),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_failures_name_the_file_and_leave_nothing_behind(server, images, models_dir, case, inputs, texts):
     loras = models_dir / "loras"
@@ -234,10 +319,12 @@ def test_failures_name_the_file_and_leave_nothing_behind(server, images, models_
                       metadata={"multilora.fusions": "[" * 100000})
     prompt = distill()
     prompt["20"]["inputs"].update(inputs)
+    before = sorted(os.listdir(models_dir / "diffusion_models"))
     with pytest.raises(ComfyExecutionError) as e:
         server.run(prompt)
     for t in texts:
         assert t in str(e.value), (t, str(e.value))
+    assert sorted(os.listdir(models_dir / "diffusion_models")) == before  # no bake, no temporary file
     assert np.array_equal(one(server, distill()), images["ours"])
     with urllib.request.urlopen(server.url + "/multilora/status", timeout=30) as resp:  # strict JSON: no NaN
         json.loads(resp.read(), parse_constant=lambda c: pytest.fail(f"/multilora/status holds {c}, not JSON"))
