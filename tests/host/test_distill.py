@@ -8,6 +8,7 @@ DistillFuse must agree with stock within 3× that floor.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -171,6 +172,7 @@ def test_a_baked_file_is_known_by_its_record_whatever_its_suffix_or_the_lora_s_h
     tags) is the same LoRA, not fused again; another file under a recorded LoRA's name is refused."""
     folder, loras = models_dir / "diffusion_models", models_dir / "loras"
     baked, sft, other = folder / "distill_known.safetensors", folder / "distill_known.sft", folder / "distill_k2.sft"
+    legacy = folder / "distill_legacy.safetensors"
     tagged = loras / "distill_tagged.safetensors"
     with safe_open(str(loras / LORA), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -184,6 +186,15 @@ def test_a_baked_file_is_known_by_its_record_whatever_its_suffix_or_the_lora_s_h
         assert np.array_equal(one(server, distill(unet=sft.name)), plain)
         assert np.array_equal(one(server, distill(unet=sft.name, lora=tagged.name)), plain)
         assert server.log_text(since=log_at).count("not fused again") == 2
+        # A file baked before content fingerprints records the hash of the LoRA file's bytes.
+        with safe_open(str(sft), "pt") as f:
+            weights, record = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+        fusions = json.loads(record["multilora.fusions"])
+        fusions[0]["fingerprint"] = hashlib.sha256((loras / LORA).read_bytes()).hexdigest()[:32]
+        save_file(weights, str(legacy), metadata={**record, "multilora.fusions": json.dumps(fusions)})
+        log_at = server.log_offset()
+        assert np.array_equal(one(server, distill(unet=legacy.name)), plain)
+        assert "not fused again" in server.log_text(since=log_at)
         one(server, distill(lora=tagged.name, bake=True, bake_name=baked.name))
         os.replace(baked, other)
         key = next(k for k in tensors if k.endswith("lora_up.weight"))
@@ -192,7 +203,7 @@ def test_a_baked_file_is_known_by_its_record_whatever_its_suffix_or_the_lora_s_h
         with pytest.raises(ComfyExecutionError, match="already holds a fusion of a LoRA named 'distill_tagged"):
             server.run(distill(unet=other.name, lora=tagged.name))
     finally:
-        for p in (baked, sft, other, tagged):
+        for p in (baked, sft, other, legacy, tagged):
             if p.exists():
                 p.unlink()
 
