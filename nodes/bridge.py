@@ -225,7 +225,8 @@ def applied(model) -> list[Adapter]:
     return [e.adapter for e in stack.entries] if stack else []
 
 
-REPORTS: dict[str, dict] = {}  # fingerprint -> the last combined match report, for the status route
+REPORTS: dict[tuple[str, str], dict] = {}  # (name, fingerprint) -> the last combined match report, for the status
+# route: two names of one file's content (a copy, a link) each have theirs, as the UI shows one per row
 _REPORTS_KEPT = 256
 
 
@@ -267,7 +268,7 @@ def _report(adapter: Adapter, unet, clip, clip_connected: bool = True, unbound=(
         "partial": bool(unmatched or adapter.leftover),
     }
     with _lock:
-        REPORTS[adapter.fingerprint] = report
+        REPORTS[(adapter.name, adapter.fingerprint)] = report
         while len(REPORTS) > _REPORTS_KEPT:
             REPORTS.pop(next(iter(REPORTS)))
     return report
@@ -420,6 +421,18 @@ def release_slots(root, why: str) -> None:
     loras = sum(s is not None for s in held["slots"])
     log.info("[MultiLoRA] %s: released %s's slots (%d LoRA(s), %.1f MB on %s); they are copied again from the "
              "cache when it next runs", why, held["model"], loras, held["bytes"] / 2**20, held["device"])
+    _notify("multilora.released", {"model": held["model"]})
+
+
+def _notify(event: str, data: dict) -> None:
+    """A websocket event to the browsers, where a server runs (the frontend reads the status again on it)."""
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_sync(event, data)
 
 
 def loaded_roots() -> set[int]:

@@ -16,8 +16,11 @@ from .lora_info import describe as describe_lora
 
 
 def status() -> dict:
+    cache = default_cache().snapshot()  # counters and entries under one lock
+    # By name only: the server's folders are not a client's business (as lora_info's errors).
+    cache["entries"] = [{k: v for k, v in e.items() if k != "path"} for e in cache.get("entries", ())]
     return {
-        "cache": default_cache().snapshot(),  # counters and entries under one lock
+        "cache": cache,
         "banks": occupancies(),
         "reports": bridge.reports(),
         "loaded_models": bridge.loaded_models(),

@@ -7,7 +7,7 @@
 import { createPanel } from './panel.js'
 import {
   FIELDS, NONE, SNAPSHOT_KEY, applyOrder, booleanValue, inPrompt, inferCount, inputName, makeSnapshot, orderAfterAdd,
-  orderAfterMove, orderAfterRemove, parseInputName, readRows, readSnapshot, rowCapacity, rowValues,
+  orderAfterMove, orderAfterRemove, parseInputName, promptValue, readRows, readSnapshot, rowCapacity, rowValues,
 } from './rows.js'
 import { badges, cacheLine, metaText, rowStatus } from './status.js'
 
@@ -42,9 +42,12 @@ export class RowsController {
       if (w.name === 'single_strength' || parseInputName(w.name)) this.watch(w)
       if (!parseInputName(w.name)) continue
       const own = w.serializeValue
-      // Rows not in use stay out of the API prompt; rows in use go in as they are.
-      w.serializeValue = (n, i) =>
-        inPrompt(w.name, this.count, this.singleStrength()) ? (own ? own.call(w, n, i) : w.value) : undefined
+      // Rows not in use stay out of the API prompt; rows in use go in as they are, but for a disabled row's LoRA.
+      w.serializeValue = (n, i) => {
+        if (!inPrompt(w.name, this.count, this.singleStrength())) return undefined
+        const value = own ? own.call(w, n, i) : w.value
+        return this.promptValue(w.name, value)
+      }
     }
     this.sync()
   }
@@ -73,6 +76,14 @@ export class RowsController {
   set(name, value) {
     const w = this.widget(name)
     if (w && w.value !== value) w.value = value
+  }
+
+  /** A disabled row's LoRA goes into the prompt as "None" (`rows.promptValue`); with its enabled input linked,
+   * the linked value decides at run time, and the name goes in as it is. */
+  promptValue(name, value) {
+    const p = parseInputName(name)
+    if (p?.field !== 'lora' || this.isLinked(inputName('enabled', p.row))) return value
+    return promptValue('lora', { enabled: booleanValue(this.get(inputName('enabled', p.row))) !== false }, value)
   }
 
   singleStrength() {

@@ -84,10 +84,16 @@ app.registerExtension({
   name: 'comfyui-multilora.rows',
 
   setup() {
-    for (const event of ['execution_success', 'execution_error', 'execution_interrupted']) {
+    // multilora.released: the server freed a model's slots ("Unload models", POST /free, another model's load).
+    for (const event of ['execution_success', 'execution_error', 'execution_interrupted', 'multilora.released']) {
       api.addEventListener(event, refreshStatus)
     }
     refreshStatus()
+  },
+
+  /** Refresh Node Definitions (R): files added or removed since show their new metadata. */
+  refreshComboInNodes() {
+    services.refresh()
   },
 
   beforeRegisterNodeDef(nodeType, nodeData) {

@@ -115,10 +115,15 @@ export function createPanel(actions) {
   root.append(list, footer)
   let rows = 1
 
+  // A button takes no keyboard focus: Space (the canvas's pan key) and Enter would press it again.
+  root.addEventListener('mousedown', (e) => {
+    if (e.target.closest('button[data-act]')) e.preventDefault()
+  })
   root.addEventListener('click', (e) => {
     const b = e.target.closest('button[data-act]')
     if (!b || b.disabled || !root.contains(b)) return
     e.stopPropagation()
+    b.blur()
     const row = Number(b.closest('[data-row]')?.dataset.row)
     actions[b.dataset.act]?.(row)
   })

@@ -54,9 +54,11 @@ export function strengthValue(v) {
   return Number.isFinite(n) ? n : null
 }
 
-/** A boolean from a boolean or the text 'true' / 'false' (a workflow written by hand or by a script), else null. */
+/** A boolean from a boolean, a number (0 is false, as the server's bool() reads it) or the text 'true' / 'false'
+ * (a workflow written by hand or by a script), else null. */
 export function booleanValue(v) {
   if (typeof v === 'boolean') return v
+  if (typeof v === 'number') return Number.isNaN(v) ? null : v !== 0
   const m = typeof v === 'string' ? /^\s*(true|false)\s*$/i.exec(v) : null
   return m ? m[1].toLowerCase() === 'true' : null
 }
@@ -159,6 +161,13 @@ export function inPrompt(name, count, singleStrength) {
   return !(singleStrength && p.field === 'strength_clip')
 }
 
+/** What the API prompt carries for a row input's value: a disabled row's LoRA goes in as "None", so that a file
+ * no longer in the loras folder does not fail the prompt's validation for a row that is off (the server leaves
+ * such a row out either way). */
+export function promptValue(field, row, value) {
+  return field === 'lora' && !row.enabled ? NONE : value
+}
+
 /** The inputs that the rows put into the API prompt (the documented API format). */
 export function promptInputs(rows, singleStrength) {
   const out = { single_strength: !!singleStrength }
@@ -166,7 +175,7 @@ export function promptInputs(rows, singleStrength) {
     const row = cleanRow(raw)
     for (const f of FIELDS) {
       const name = inputName(f, j + 1)
-      if (inPrompt(name, rows.length, singleStrength)) out[name] = row[f]
+      if (inPrompt(name, rows.length, singleStrength)) out[name] = promptValue(f, row, row[f])
     }
   })
   return out

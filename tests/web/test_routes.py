@@ -93,6 +93,7 @@ def test_status_route_reports_cache_slots_and_matches(web_server, images):
         assert key in cache
     names = {e["name"] for e in cache["entries"]}
     assert {r["lora"] for r in wf.EXAMPLE_ROWS} <= names
+    assert not [e for e in cache["entries"] if "path" in e]  # by name only: no server folder goes out
     assert any(s and s["name"] == wf.EXAMPLE_ROWS[0]["lora"] for b in status["banks"] for s in b["slots"])
     report = next(r for r in status["reports"] if r["adapter"] == wf.EXAMPLE_ROWS[0]["lora"])
     assert report["model_layers"] > 0 and report["clip_layers"] > 0 and not report["partial"]

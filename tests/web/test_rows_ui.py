@@ -253,6 +253,8 @@ def test_prompt_carries_only_the_rows_in_use(ui, browser):
     expected = {"single_strength": False}
     for i, r in enumerate(FINAL_ROWS, 1):
         expected.update({f"{f}_{i}": r[f] for f in ("enabled", "lora", "strength_model", "strength_clip")})
+        if not r["enabled"]:
+            expected[f"lora_{i}"] = "None"  # a row that is off: its file is not validated (rows.promptValue)
     if "primitive" in ui:
         expected["strength_model_2"] = [str(ui["primitive"]), 0]
     assert inputs == expected
@@ -294,6 +296,38 @@ def test_status_and_metadata_appear(ui, browser, web_server, artifacts):
                  ".mlora-row[data-row='4'] [data-kind='partial']`).title", node)
     assert "1 layers match no layer" in title
     P.screenshot(b, node, artifacts / "rows_status.png")
+
+
+def test_a_row_that_is_off_with_a_file_no_longer_there_does_not_stop_the_prompt(ui, browser, web_server):
+    """A workflow opened after one of its LoRA files was deleted: turning that row off lets it run."""
+    b, node = browser, rows_node(ui)
+    set_lora = "(a) => { app.graph.getNodeById(a.node).widgets.find((w) => w.name === 'lora_5').value = a.name }"
+    b.js(set_lora, {"node": node, "name": "deleted_since.safetensors"})
+    try:
+        assert P.prompt(b, node)["inputs"]["lora_5"] == "None"
+        P.queue_from_ui(b)  # fails the test unless the run succeeds
+    finally:
+        b.js(set_lora, {"node": node, "name": META_LORA})
+
+
+def test_panel_buttons_take_no_keyboard_focus(ui, browser):
+    """Space pans ComfyUI's canvas, and Enter presses a focused button: a clicked panel button keeps no focus."""
+    b, node = browser, rows_node(ui)
+    b.click(P.panel(node, ".mlora-refresh"))
+    P.settle(b)
+    assert b.js("() => document.activeElement?.closest?.('.mlora-panel') == null")
+
+
+def test_the_slot_badges_go_when_the_server_unloads_the_model(ui, browser, web_server):
+    """'Unload models' (POST /free) frees the slots; the server says so over the websocket, and the badges follow
+    without a refresh."""
+    b, node = browser, rows_node(ui)
+    P.queue_from_ui(b)
+    b.wait_for("(id) => app.graph.getNodeById(id).multiloraRows.panel.element"
+               ".querySelector('.mlora-row[data-row=\"1\"] [data-kind=\"slot\"]')", node, timeout_s=30)
+    web_server.free(free_memory=False)
+    b.wait_for("(id) => !app.graph.getNodeById(id).multiloraRows.panel.element"
+               ".querySelector('.mlora-row[data-row=\"1\"] [data-kind=\"slot\"]')", node, timeout_s=30)
 
 
 def test_saved_workflow_reloads_with_identical_values(ui, browser, artifacts):

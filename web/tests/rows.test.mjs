@@ -57,11 +57,14 @@ test('cleanRow keeps valid values and defaults the rest', () => {
     { ...DEFAULT_ROW, lora: 'x', strength_model: 100, strength_clip: -100 })
 })
 
-test('a toggle saved as text reads as the boolean it names, and nothing else does', () => {
-  for (const [v, want] of [[true, true], [false, false], ['true', true], [' FALSE ', false], ['False', false]]) {
+test('a toggle saved as text or a number reads as the boolean the server reads, and nothing else does', () => {
+  for (const [v, want] of [[true, true], [false, false], ['true', true], [' FALSE ', false], ['False', false],
+    [1, true], [0, false], [-0, false], [2, true]]) {
     assert.equal(booleanValue(v), want, JSON.stringify(v))
   }
-  for (const v of ['yes', '', '1', 1, 0, null, undefined, {}, 'truee']) assert.equal(booleanValue(v), null, String(v))
+  for (const v of ['yes', '', '1', NaN, null, undefined, {}, 'truee']) assert.equal(booleanValue(v), null, String(v))
+  assert.equal(cleanRow({ lora: 'x', enabled: 0 }).enabled, false)
+  assert.equal(readSnapshot({ v: 1, single_strength: 1, rows: [A] }, 12).singleStrength, true)
   assert.equal(cleanRow({ lora: 'x', enabled: 'false' }).enabled, false)
   assert.equal(cleanRow({ lora: 'x', enabled: 'yes' }).enabled, true)
   assert.equal(readSnapshot({ v: 1, single_strength: 'true', rows: [A] }, 12).singleStrength, true)
@@ -122,7 +125,7 @@ test('the prompt carries the rows in use, and no clip strength in single-strengt
   assert.deepEqual(promptInputs([A, B], false), {
     single_strength: false,
     enabled_1: true, lora_1: 'a.safetensors', strength_model_1: 0.8, strength_clip_1: 0.5,
-    enabled_2: false, lora_2: 'sub/b.safetensors', strength_model_2: -0.4, strength_clip_2: 1,
+    enabled_2: false, lora_2: NONE, strength_model_2: -0.4, strength_clip_2: 1,  // off: its file is not validated
   })
   assert.deepEqual(Object.keys(promptInputs([A], true)), ['single_strength', 'enabled_1', 'lora_1', 'strength_model_1'])
 })
