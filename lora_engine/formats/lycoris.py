@@ -29,13 +29,18 @@ def _pop(tensors: dict[str, torch.Tensor], key: str, consumed: list[str]) -> tor
     return t
 
 
+def _complete(tensors: dict[str, torch.Tensor], parts: tuple[str, ...]):
+    """(prefix, the keys consumed, the tensors of `parts`) for each prefix that has every one of `parts`, which
+    are popped."""
+    for prefix in prefixes(tensors, "." + parts[0]):
+        if all(f"{prefix}.{p}" in tensors for p in parts):
+            consumed: list[str] = []
+            yield prefix, consumed, tuple(_pop(tensors, f"{prefix}.{p}", consumed) for p in parts)
+
+
 def parse_loha(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
     found = False
-    for prefix in prefixes(tensors, ".hada_w1_a"):
-        if not all(f"{prefix}.{p}" in tensors for p in LOHA_PARTS):
-            continue
-        consumed: list[str] = []
-        w1a, w1b, w2a, w2b = (_pop(tensors, f"{prefix}.{p}", consumed) for p in LOHA_PARTS)
+    for prefix, consumed, (w1a, w1b, w2a, w2b) in _complete(tensors, LOHA_PARTS):
         t1 = _pop(tensors, f"{prefix}.hada_t1", consumed)
         t2 = _pop(tensors, f"{prefix}.hada_t2", consumed)
         alpha = pop_alpha(tensors, prefix, consumed)
@@ -123,11 +128,7 @@ def parse_glora(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> 
     x = y). ComfyUI's LoraLoader decides by the layer's size, and takes the same reading wherever the rank is not
     above it. The scale is alpha / r (1 without alpha)."""
     found = False
-    for prefix in prefixes(tensors, ".a1.weight"):
-        if not all(f"{prefix}.{p}" in tensors for p in GLORA_PARTS):
-            continue
-        consumed: list[str] = []
-        a1, a2, b1, b2 = (_pop(tensors, f"{prefix}.{p}", consumed) for p in GLORA_PARTS)
+    for prefix, consumed, (a1, a2, b1, b2) in _complete(tensors, GLORA_PARTS):
         mid = _pop(tensors, f"{prefix}.bm.weight", consumed)
         alpha = pop_alpha(tensors, prefix, consumed)
         _check_factors(dict(zip(GLORA_PARTS, (a1, a2, b1, b2))), ctx.path, prefix)

@@ -215,25 +215,25 @@ def sdxl_kohya(w: Writer) -> None:
         w.lora(kohya(name), rank=4)
 
 
-def sdxl_glora(w: Writer) -> None:
-    """LyCORIS GLoRA on the first three ResBlock convs (3×3: a1·a2 mixes the channels at each kernel position) and
-    attention Linears, kohya names."""
+def sdxl_convs_and_attention(w: Writer) -> list[str]:
+    """The first three ResBlock convs and attention Linears: kohya names."""
     modules = linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
                       skip=("input_blocks.0.",))
     convs = [n for n in modules if isinstance(w.modules[n], w.torch.nn.Conv2d)][:3]
     attention = [n for n in modules if ".attn" in n][:3]
-    for name in convs + attention:
-        w.glora(kohya(name))
+    return [kohya(n) for n in convs + attention]
+
+
+def sdxl_glora(w: Writer) -> None:
+    """LyCORIS GLoRA there (on the 3×3 convs, a1·a2 mixes the channels at each kernel position)."""
+    for name in sdxl_convs_and_attention(w):
+        w.glora(name)
 
 
 def sdxl_oft(w: Writer) -> None:
-    """LyCORIS diag-OFT on the first three ResBlock convs and attention Linears, kohya names."""
-    modules = linears(w, ("input_blocks", "middle_block", "output_blocks"), ("Linear", "Conv2d"),
-                      skip=("input_blocks.0.",))
-    convs = [n for n in modules if isinstance(w.modules[n], w.torch.nn.Conv2d)][:3]
-    attention = [n for n in modules if ".attn" in n][:3]
-    for name in convs + attention:
-        w.oft(kohya(name))
+    """LyCORIS diag-OFT there."""
+    for name in sdxl_convs_and_attention(w):
+        w.oft(name)
 
 
 def sdxl_diffusers(w: Writer, unet_to_diffusers) -> None:
