@@ -239,13 +239,14 @@ export class RowsController {
     const status = this.services.status()
     const view = this.rows().map((row, j) => {
       const lora = row.lora !== NONE ? row.lora : ''
+      const info = lora ? this.services.info(lora) : null
       return {
         row: j + 1,
         lora,
         enabled: row.enabled,
         linked: this.isLinked(inputName('enabled', j + 1)),
-        badges: badges(rowStatus(status, row.lora)),
-        meta: metaText(lora ? this.services.info(lora) : null),
+        badges: badges(rowStatus(status, row.lora), !!info?.error),
+        meta: metaText(info),
       }
     })
     const notice = this.dropped

@@ -35,8 +35,9 @@ export function rowStatus(status, name) {
   return { cached, slots, report }
 }
 
-/** Badges for a row: [{kind, text, title}], where kind is slot | cached | idle | layers | partial. */
-export function badges(rs) {
+/** Badges for a row: [{kind, text, title}], where kind is slot | cached | idle | layers | partial. `unreadable`:
+ * the file's metadata could not be read (its error is on the row's line). */
+export function badges(rs, unreadable = false) {
   if (!rs) return []
   const out = []
   if (rs.slots.length) {
@@ -45,7 +46,11 @@ export function badges(rs) {
   } else if (rs.cached) {
     out.push({ kind: 'cached', text: 'cached', title: 'Parsed and held in the process-wide cache' })
   } else {
-    out.push({ kind: 'idle', text: 'not loaded', title: 'Not in the cache yet: it is read when the graph runs' })
+    out.push({
+      kind: 'idle', text: 'not loaded',
+      title: unreadable ? 'Not loaded: the file cannot be read (see the error beside)'
+        : 'Not in the cache yet: it is read when the graph runs',
+    })
   }
   const r = rs.report
   if (r) {

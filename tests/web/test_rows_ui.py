@@ -9,6 +9,7 @@ metadata, save and reload. Screenshots of the node go to .artifacts/web/.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import numpy as np
@@ -308,6 +309,25 @@ def test_a_row_that_is_off_with_a_file_no_longer_there_does_not_stop_the_prompt(
         P.queue_from_ui(b)  # fails the test unless the run succeeds
     finally:
         b.js(set_lora, {"node": node, "name": META_LORA})
+
+
+def test_refresh_node_definitions_reads_the_metadata_again(ui, browser, web_models_dir):
+    """A row names a file that is not there yet (its error says to refresh the node list once it is); the file
+    arrives, and ComfyUI's Refresh Node Definitions (R) shows its metadata."""
+    b, node = browser, rows_node(ui)
+    late = web_models_dir / "loras" / "ui_arrives_late.safetensors"
+    set_lora = "(a) => { app.graph.getNodeById(a.node).widgets.find((w) => w.name === 'lora_5').value = a.name }"
+    meta = ("(id) => app.graph.getNodeById(id).multiloraRows.panel.element"
+            ".querySelector('.mlora-row[data-row=\"5\"] .mlora-meta')")
+    b.js(set_lora, {"node": node, "name": late.name})
+    try:
+        b.wait_for(f"(id) => ({meta})(id)?.dataset.error === 'true'", node, timeout_s=30)
+        shutil.copyfile(web_models_dir / "loras" / META_LORA, late)
+        b.js("async () => { await app.refreshComboInNodes() }")
+        b.wait_for(f"(id) => ({meta})(id)?.textContent.includes('triggers')", node, timeout_s=30)
+    finally:
+        b.js(set_lora, {"node": node, "name": META_LORA})
+        late.unlink(missing_ok=True)
 
 
 def test_panel_buttons_take_no_keyboard_focus(ui, browser):

@@ -44,6 +44,8 @@ test('badges: residence first, then layers, then a warning for a partial match',
   assert.match(partial.title, /2 layers match no layer/)
   assert.match(partial.title, /1 keys no parser/)
   assert.deepEqual(badges(null), [])
+  assert.match(badges(rowStatus(STATUS, 'c.safetensors'))[0].title, /read when the graph runs/)
+  assert.match(badges(rowStatus(STATUS, 'c.safetensors'), true)[0].title, /cannot be read/)
 })
 
 test('badges: text-encoder layers left out for want of a CLIP are said so, not counted as a partial match', () => {
