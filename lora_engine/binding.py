@@ -380,6 +380,7 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         if narrow is not None and not widened:
             widened.append((target.module, narrow, g.in_features))
             patch = _widen(patch, g.in_features)
+        patch = _glora_reading(patch, g, target.out_slice)
         _check(adapter, target.module, g, patch, target.out_slice)
         pieces.setdefault(target.module, []).append(Piece(patch, target.out_slice, target.rows))
     plans = {name: ModulePlan(name, keymap.modules[name], geometry[name], ps, adapter.path)
@@ -465,15 +466,30 @@ def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slic
                                  remedy="the adapter was trained for another model or model size")
 
 
-def _check_glora(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, size: int) -> None:
+def _glora_reading(patch: LayerPatch, g: Geometry, out_slice: tuple[int, int] | None) -> LayerPatch:
+    """A GLoRA whose factors both of LyCORIS's layouts read (`lycoris.parse_glora`) in the reading that fits the
+    layer: the first, unless only its alternate does."""
+    w = patch.weight
+    if not isinstance(w, Glora) or w.alternate is None:
+        return patch
+    size = out_slice[1] if out_slice else g.out_features
+    return patch if _glora_fits(w, g, size) or not _glora_fits(w.alternate, g, size) else \
+        replace(patch, weight=w.alternate)
+
+
+def _glora_fits(w: Glora, g: Geometry, size: int) -> bool:
     """B1 [size, rb] and B2 [rb, in·k] make the layer's ΔW, and A1 [n, ra], A2 [ra, n] mix its flattened inputs or,
     on a conv, its input channels."""
-    w = patch.weight
     inputs = g.weight_shape[1:].numel()
     mixes = (inputs, g.weight_shape[1]) if g.conv_dims else (inputs,)
     n = w.a1.shape[0]
-    if (w.b1.shape[0] != size or w.b1.shape[1] != w.b2.shape[0] or w.b2[0].numel() != inputs or n not in mixes
-            or tuple(w.a2.shape) != (w.a1.shape[1], n)):
+    return (w.b1.shape[0] == size and w.b1.shape[1] == w.b2.shape[0] and w.b2[0].numel() == inputs and n in mixes
+            and tuple(w.a2.shape) == (w.a1.shape[1], n))
+
+
+def _check_glora(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, size: int) -> None:
+    w = patch.weight
+    if not _glora_fits(w, g, size):
         shapes = ", ".join(f"{k} {tuple(getattr(w, k).shape)!r}" for k in ("a1", "a2", "b1", "b2"))
         raise LoRAShapeError(f"GLoRA factors ({shapes}, as the current layout names them) do not fit layer {name!r} "
                              f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,

@@ -310,6 +310,9 @@ class Glora:
     b1: torch.Tensor  # [out, rb]
     b2: torch.Tensor  # [rb, in, *kernel], or [rb, in·k]
     scale: float  # alpha / ra
+    # The file's other reading of the same factors, where both of LyCORIS's layouts fit their shapes (a square
+    # layer); binding takes it where this one does not fit the layer (`lycoris.parse_glora`).
+    alternate: Glora | None = field(default=None, repr=False, compare=False)
 
     def _mixed(self, base: torch.Tensor | None, shape: torch.Size, device: torch.device | None) -> torch.Tensor:
         """W·A1·A2 [*shape] in fp32: over the flattened inputs, or a conv's channels at each kernel position."""

@@ -52,6 +52,7 @@ from lora_engine.binding import no_match, runtime_path, unhookable_note, widened
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ConditioningStrengthError, ShapingError
 from lora_engine.grid import GridError
+from lora_engine.patches import absmax
 from lora_engine.schedule import Schedule, step_progress
 from lora_engine.slots import Entry, merge
 
@@ -909,6 +910,7 @@ def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".multilora-bake-", suffix=".partial")
         with os.fdopen(fd, "wb") as f:
             _write_safetensors(f, items, metadata, target, pbar, check)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the model from the folder's other readers
         os.replace(tmp, target)
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
@@ -920,9 +922,17 @@ def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str
     log.info("[MultiLoRA] baked %s", target)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 _ST_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16",
+              torch.uint32: "U32", torch.uint64: "U64"}
+MAX_HEADER = 100_000_000  # bytes: safetensors refuses to read a longer header
 
 
 def _stored_dtypes(path: str) -> dict[str, torch.dtype]:
@@ -933,28 +943,40 @@ def _stored_dtypes(path: str) -> dict[str, torch.dtype]:
     return {k: by_name[info.dtype] for k, info in read_header(path).tensors.items() if info.dtype in by_name}
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Every value finite; fp8, which has no isfinite on the CPU, read in fp32."""
+    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
+
+
 def _write_safetensors(f, items, metadata: dict[str, str], target: str, pbar, check) -> None:
     """The safetensors layout (8-byte header length, JSON header, then each tensor's bytes at its offsets), written
     one tensor at a time, so that no second copy of the model is held."""
     header, offset = {"__metadata__": metadata}, 0
     for name, t, dtype in items:
+        if dtype not in _ST_DTYPES:
+            raise LoRAFileError(f"the model's tensor {name!r} is of dtype {dtype}, which safetensors does not store",
+                                path=target, remedy="bake a model of float or integer weights")
         size = t.numel() * dtype.itemsize
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER:
+        raise LoRAFileError(f"the baked file's header would take {len(raw)} bytes, more than safetensors reads",
+                            path=target, remedy="the model has too many tensors for one safetensors file")
     f.write(struct.pack("<Q", len(raw)) + raw)
     for i, (name, t, dtype) in enumerate(items):
         if check is not None:
             check()
-        out = t.detach().to("cpu", dtype).contiguous()
-        if dtype.is_floating_point and t.is_floating_point() and not bool(torch.isfinite(out).all()):
-            if bool(torch.isfinite(t).all()):
+        if dtype.is_floating_point and t.is_floating_point() and t.numel():
+            if not _finite(t):
+                raise NonFiniteError(f"the model's weight {name!r} holds NaN or Inf", path=target,
+                                     remedy="the base model file is broken; download or export it again")
+            if dtype != t.dtype and absmax(t) > torch.finfo(dtype).max:  # fp8 e4m3fn saturates: compare ranges
                 raise NonFiniteError(f"the fused weight {name!r} overflows {str(dtype).replace('torch.', '')}, the "
                                      "base file's precision", path=target,
                                      remedy="lower the strength (nothing was written)")
-            raise NonFiniteError(f"the model's weight {name!r} holds NaN or Inf", path=target,
-                                 remedy="the base model file is broken; download or export it again")
+        out = t.detach().to("cpu", dtype).contiguous()
         f.write(out.reshape(-1).view(torch.uint8).numpy())
         if pbar is not None:
             pbar.update_absolute(i + 1, len(items))

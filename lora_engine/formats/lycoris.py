@@ -3,6 +3,8 @@ GLoRA (`a1`, `a2`, `b1`, `b2`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..errors import LoRAShapeError
@@ -123,10 +125,10 @@ def parse_glora(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> 
     - current: ΔW = W·a1·a2 + b1·b2, a1 [n, r], a2 [r, n], b1 [out, r], b2 [r, in, *k]; a conv's a1 and a2 are
       1×1 convs over its channels, and with a Tucker core b2 is a 1×1 conv and bm [r, r, *k] the kernel;
     - older: ΔW = b2·b1 + W·a2·a1 with the roles of 1 and 2 swapped, over the flattened inputs.
-    On a square layer both readings can fit: a1 and b1 are then [x, y] and a2 and b2 [y, x], and the rank is x in
-    the older reading and y in the current one. The reading with the smaller rank is taken (the older one where
-    x = y). ComfyUI's LoraLoader decides by the layer's size, and takes the same reading wherever the rank is not
-    above it. The scale is alpha / r (1 without alpha)."""
+    Where both readings fit the shapes, a1 and b1 are [x, y] and a2 and b2 [y, x]: the older reading is of rank x
+    on a square layer of y, the current one of rank y on a square layer of x. The one of the smaller rank comes
+    first (the older one where x = y), the other is kept as its `alternate`, and binding takes the one that fits
+    the layer, as ComfyUI's LoraLoader decides by the layer's size. The scale is alpha / r (1 without alpha)."""
     found = False
     for prefix, consumed, (a1, a2, b1, b2) in _complete(tensors, GLORA_PARTS):
         mid = _pop(tensors, f"{prefix}.bm.weight", consumed)
@@ -135,21 +137,22 @@ def parse_glora(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> 
         (a1o, a1i), (a2o, a2i), (b1o, b1i), (b2o, b2i) = (_flat_shape(t) for t in (a1, a2, b1, b2))
         older = b2i == b1o == a1o == a2i and mid is None
         current = b2o == b1i == a1i == a2o
-        if older and current:  # a1, b1 [x, y] and a2, b2 [y, x]: rank x (older) or y (current), the smaller one
-            older = a1o <= a1i
+        readings = []
         if older:
-            factors = a2.reshape(a2o, a2i), a1.reshape(a1o, a1i), b2.reshape(b2o, b2i), b1
-        elif current:
+            readings.append((a2.reshape(a2o, a2i), a1.reshape(a1o, a1i), b2.reshape(b2o, b2i), b1))
+        if current:
             b2 = _tucker(mid, b2, ctx.path, prefix) if mid is not None else b2
-            factors = a1.reshape(a1o, a1i), a2.reshape(a2o, a2i), b1.reshape(b1o, b1i), b2
-        else:
+            readings.append((a1.reshape(a1o, a1i), a2.reshape(a2o, a2i), b1.reshape(b1o, b1i), b2))
+        if len(readings) == 2 and a1o > a1i:  # a1, b1 [x, y] and a2, b2 [y, x]: the smaller rank first
+            readings.reverse()
+        if not readings:
             shapes = ", ".join(f"{p.split('.')[0]} {tuple(t.shape)!r}" for p, t in zip(GLORA_PARTS, (a1, a2, b1, b2)))
             raise LoRAShapeError(f"GLoRA factors {shapes} share no rank in either GLoRA layout", path=ctx.path,
                                  key=prefix, remedy="the file is corrupt; re-export it")
-        rank = factors[1].shape[0]
-        scale = finite_scale(alpha / rank if alpha is not None else 1.0, ctx.path, prefix)
+        patches = [Glora(*f, scale=finite_scale(alpha / f[1].shape[0] if alpha is not None else 1.0, ctx.path,
+                                                prefix)) for f in readings]
         entry = layer(layers, prefix, "glora", ctx.path)
-        entry.weight = Glora(*factors, scale=scale)
+        entry.weight = patches[0] if len(patches) == 1 else replace(patches[0], alternate=patches[1])
         entry.source_keys.extend(consumed)
         found = True
     return "glora" if found else None

@@ -169,6 +169,9 @@ CASES = [
     ("glora", lambda m: lf.glora_tensors(m, 17), lambda t, m: ref_glora(t, m, "current"), "mixed"),
     ("glora-tucker", lambda m: lf.glora_tensors(m, 18, "tucker"), lambda t, m: ref_glora(t, m, "tucker"), "mixed"),
     ("glora-older", lambda m: lf.glora_tensors(m, 19, "older"), lambda t, m: ref_glora(t, m, "older"), "low-rank"),
+    # rank 20: on the 16×16 Linears the factors also read as the older layout's rank 16 on a 20×20 layer
+    ("glora-rank-above-width", lambda m: lf.glora_tensors(m, 21, rank=20), lambda t, m: ref_glora(t, m, "current"),
+     "dense"),
     ("glora-dora", lambda m: lf.dora_tensors(m, 20, "output", lf.glora_tensors(m, 20)),
      lambda t, m: ref_dora(t, m, "output", lambda t, m: ref_glora(t, m, "current")), "dense"),
 ]

@@ -8,7 +8,10 @@ A base file stores four layers in fp16; the "fused" model holds them in fp32, as
 CPU. Each case bakes into a fresh folder and reports what it left there:
 
     written      a plain bake: the file safetensors reads back (tensors in the base's dtypes, equal to the model's
-                 weights cast once; the metadata), the progress bar's last count, the files left in the folder
+                 weights cast once; the metadata), the progress bar's last count, the files left in the folder,
+                 the file's mode (what the umask gives a new file, as for any file the server writes)
+    fp8          the same from a base stored in fp8 e4m3fn: its tensors, then the error for a weight of 1e6,
+                 past fp8's range
     interrupted  an interrupt (a BaseException, as ComfyUI's) raised by the check between tensors 2 and 3
     overflow     a weight of 1e6 that fp16, the base's precision, cannot hold
     same_bake    the target already is this bake (its metadata), overwrite off: kept as it is
@@ -56,7 +59,7 @@ def run(bridge) -> dict:
         base = os.path.join(folder, "base.safetensors")
         save_file({k: v.half() for k, v in net.state_dict().items()}, base)
 
-        def case(name, check=None, overwrite=False, before=None):
+        def case(name, check=None, overwrite=False, before=None, base=base):
             out = os.path.join(folder, name)
             os.makedirs(out)
             target = os.path.join(out, "baked.safetensors")
@@ -74,7 +77,26 @@ def run(bridge) -> dict:
             written["metadata"] = f.metadata()
             written["dtypes"] = sorted({str(f.get_tensor(k).dtype) for k in f.keys()})
             written["equal"] = all(torch.equal(f.get_tensor(k), v.half()) for k, v in net.state_dict().items())
+        mask = os.umask(0)
+        os.umask(mask)
+        written["mode_as_umask_gives"] = os.stat(target).st_mode & 0o777 == 0o666 & ~mask
         result["written"] = written
+
+        fp8_base = os.path.join(folder, "base_fp8.safetensors")
+        save_file({k: v.to(torch.float8_e4m3fn) for k, v in net.state_dict().items()}, fp8_base)
+        target, fp8 = case("fp8", base=fp8_base)
+        with safe_open(target, "pt") as f:
+            fp8["equal"] = all(torch.equal(f.get_tensor(k).float(), v.to(torch.float8_e4m3fn).float())
+                               for k, v in net.state_dict().items())
+        with torch.no_grad():
+            saved = net[1].weight[0, 0].item()
+            net[1].weight[0, 0] = 1e6
+        try:
+            fp8["overflow"] = case("fp8_overflow", base=fp8_base)[1]["error"]
+        finally:
+            with torch.no_grad():
+                net[1].weight[0, 0] = saved
+        result["fp8"] = fp8
 
         calls = []
 

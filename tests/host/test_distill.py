@@ -272,6 +272,9 @@ def test_the_bake_writer_checks_the_base_precision_and_leaves_nothing_half_writt
     written = result["written"]
     assert written["error"] is None and written["files"] == ["baked.safetensors"] and written["bar"] == [4, 4]
     assert written["dtypes"] == ["torch.float16"] and written["equal"] and "multilora.fusions" in written["metadata"]
+    assert written["mode_as_umask_gives"]
+    fp8 = result["fp8"]
+    assert fp8["error"] is None and fp8["equal"] and "overflows float8_e4m3fn" in fp8["overflow"], fp8
     assert result["interrupted"]["error"].startswith("Interrupted") and result["interrupted"]["files"] == []
     assert result["interrupted"]["bar"] == [2, 4]
     overflow = result["overflow"]
