@@ -38,6 +38,7 @@ from .adapter import Adapter
 from .binding import MatchReport, bind
 from .errors import FuseError, LoRAError, NonFiniteError
 from .keymap import KeyMap
+from .patches import finite
 
 log = logging.getLogger("lora_engine")
 
@@ -156,7 +157,7 @@ def fuse(root: nn.Module, adapter: Adapter, strength: float, *, keymap: KeyMap |
         """The layer's weight before this fusion (the caller's unfused one, else the loaded one) is finite."""
         base = original(name)
         w = base if base is not None else keymap.modules[name].weight
-        return bool(torch.isfinite(w.detach().float() if w.element_size() == 1 else w.detach()).all())
+        return finite(w.detach())
 
     bias_strength = strength - (prior.strength if prior else 0.0)
     kept: dict[str, torch.Tensor] = {}

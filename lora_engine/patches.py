@@ -74,6 +74,11 @@ def absmax(t: torch.Tensor) -> float:
     return max(abs(float(t.amax())), abs(float(t.amin())))
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Every value of `t` is finite (fp8, which has no isfinite on every device, read in fp32)."""
+    return bool(torch.isfinite(t.float() if t.is_floating_point() and t.element_size() == 1 else t).all())
+
+
 def _product_bound(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | None) -> float:
     """A bound on |entries| of `_rebuild(a, b, t)`: the terms each entry sums, times the factors' maxima."""
     terms = _flat(a).shape[1] if t is None else t.shape[0] * t.shape[1]

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import LoRAFileError, NonFiniteError
+from .patches import finite
 
 HEADER_CAP = 64 * 1024 * 1024
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
@@ -155,7 +156,7 @@ def read_tensors(path: str, *, check_finite: bool = True) -> tuple[dict[str, tor
         for key, t in out.items():
             if header.tensors[key].dtype not in FLOAT_DTYPES or not t.numel():
                 continue
-            if not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+            if not finite(t):
                 raise NonFiniteError("tensor holds NaN or Inf values", path=path, key=key,
                                      remedy="the LoRA is broken (often a diverged training run); use another file")
     return out, header.metadata

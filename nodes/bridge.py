@@ -52,7 +52,7 @@ from lora_engine.binding import no_match, runtime_path, unhookable_note, widened
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ConditioningStrengthError, ShapingError
 from lora_engine.grid import GridError
-from lora_engine.patches import absmax
+from lora_engine.patches import absmax, finite
 from lora_engine.schedule import Schedule, step_progress
 from lora_engine.slots import Entry, merge
 
@@ -943,11 +943,6 @@ def _stored_dtypes(path: str) -> dict[str, torch.dtype]:
     return {k: by_name[info.dtype] for k, info in read_header(path).tensors.items() if info.dtype in by_name}
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Every value finite; fp8, which has no isfinite on the CPU, read in fp32."""
-    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
-
-
 def _write_safetensors(f, items, metadata: dict[str, str], target: str, pbar, check) -> None:
     """The safetensors layout (8-byte header length, JSON header, then each tensor's bytes at its offsets), written
     one tensor at a time, so that no second copy of the model is held."""
@@ -969,7 +964,7 @@ def _write_safetensors(f, items, metadata: dict[str, str], target: str, pbar, ch
         if check is not None:
             check()
         if dtype.is_floating_point and t.is_floating_point() and t.numel():
-            if not _finite(t):
+            if not finite(t):
                 raise NonFiniteError(f"the model's weight {name!r} holds NaN or Inf", path=target,
                                      remedy="the base model file is broken; download or export it again")
             if dtype != t.dtype and absmax(t) > torch.finfo(dtype).max:  # fp8 e4m3fn saturates: compare ranges

@@ -242,8 +242,8 @@ class DistillFuse:
                                     "would be saved lossy", remedy="bake with weight_dtype 'default', then load "
                                     "the baked file with fp8")
             metadata = _bake_metadata(unet_name, unet_path, lora_name, strength)
-            target = bridge.bake_target(bake_name or default_bake_name(unet_name, lora_name, strength), overwrite,
-                                        unet_path, metadata)
+            target = bridge.bake_target(_bake_name(unet_name, lora_name, strength, bake_name), overwrite, unet_path,
+                                        metadata)
             generation = _bake_generation(target)
         model = load_fused(unet_path, bridge.unet_options(weight_dtype), lora_name, strength)
         if target is not None:
@@ -280,9 +280,14 @@ def _bake_generation(target: str) -> int:
     return generation if _stat(target) == state else generation + 1
 
 
+def _bake_name(unet_name, lora_name, strength, bake_name) -> str:
+    """The name the bake is written under: `bake_name`, or the default one."""
+    return bake_name or default_bake_name(unet_name, lora_name, float(strength))
+
+
 def _bake_path(unet_name, lora_name, strength, bake_name) -> str:
-    unet_path = bridge.resolve("diffusion_models", unet_name)
-    return bridge.bake_path(bake_name or default_bake_name(unet_name, lora_name, float(strength)), unet_path)
+    return bridge.bake_path(_bake_name(unet_name, lora_name, strength, bake_name),
+                            bridge.resolve("diffusion_models", unet_name))
 
 
 def _bake_metadata(unet_name: str, unet_path: str, lora_name: str, strength: float) -> dict[str, str]:
