@@ -96,9 +96,6 @@ def file_fingerprint(path: str) -> str:
     return digest.hexdigest()[:32]
 
 
-# LyCORIS layouts that ComfyUI's fused loader applies and no parser here reads, named in the error for such a file:
-# (key suffix, name).
-UNREAD_LAYOUTS = ((".oft_blocks", "BOFT"),)
 # The key by which a file widens a layer's weight before its delta is added: Flux's control LoRAs (Canny, Depth)
 # widen img_in to take the control image's latent channels. A delta on the layer's output cannot widen its input.
 RESHAPE = ".reshape_weight"
@@ -120,16 +117,10 @@ def load_adapter(path: str, *, name: str | None = None, convert: Converter | Non
     parsed = parse_tensors(tensors, path, metadata)
     _refuse_widening(path, tensors, parsed.leftover)
     if not parsed.layers:
-        unread = next(((key, layout) for key in parsed.leftover for suffix, layout in UNREAD_LAYOUTS
-                       if key.endswith(suffix)), None)
-        if unread is not None:
-            key, layout = unread
-            raise LoRAFormatError(f"this file holds {layout} layers (e.g. {key!r}), a LyCORIS layout this "
-                                  "pack does not apply", path=path,
-                                  remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
         sample = ", ".join(repr(k) for k in parsed.leftover[:3])
-        raise LoRAFormatError(f"no LoRA, LoCon, LoHa, LoKr, OFT, GLoRA or diff layers found (keys: {sample or 'none'})",
-                              path=path, remedy="this is not an adapter file, or its layout is unsupported")
+        raise LoRAFormatError(f"no LoRA, LoCon, LoHa, LoKr, OFT, BOFT, GLoRA or diff layers found "
+                              f"(keys: {sample or 'none'})", path=path,
+                              remedy="this is not an adapter file, or its layout is unsupported")
     if pin is None:
         pin = torch.cuda.is_available()
     if pin:

@@ -26,7 +26,7 @@ from torch import nn
 from .adapter import Adapter
 from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
-from .patches import Glora, LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
+from .patches import Boft, Glora, LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
 from .runtime import Kron
 
 if TYPE_CHECKING:
@@ -445,8 +445,8 @@ def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slic
     if patch.bias is not None and patch.bias.numel() != size:
         raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {name!r} with "
                              f"{size} outputs", path=adapter.path, key=patch.key)
-    if isinstance(w, Oft):
-        rows = w.blocks.shape[0] * w.blocks.shape[1]
+    if isinstance(w, (Oft, Boft)):
+        rows = w.outputs
         if rows != size:
             raise LoRAShapeError(f"OFT blocks {tuple(w.blocks.shape)!r} rotate {rows} output rows, but layer {name!r} "
                                  f"has {size}{' in its output slice ' + repr(out_slice) if out_slice else ''}",

@@ -14,11 +14,21 @@ every patch defines a weight delta ΔW so that the patched layer computes
 - `LoHa`      ΔW = (W1a·W1b) ⊙ (W2a·W2b) · alpha/r  (Tucker cores optional).
 - `LoKr`      ΔW = kron(W1, W2) · alpha/r, W1 and W2 either full or low-rank.
 - `FullDiff`  ΔW stored as is.
-- `Oft`       LyCORIS diag-OFT: W' = m ⊙ Rᵀ·W per block of output rows, R = (I + Q)(I − Q)⁻¹ orthogonal (Cayley),
-              Q = P − Pᵀ from the stored blocks P [k, b, b] (scaled down to Frobenius norm alpha where alpha > 0
-              and ‖Q‖ exceeds it), m the optional `rescale` per output row; ΔW = W' − W reads the base weight,
-              as DoRA's does, and strength s moves linearly from W to W', as in LyCORIS. (ComfyUI 0.28's
-              LoraLoader adds s²·(Rᵀ − I)·W and drops `rescale`; at s = 1 without `rescale` the two agree.)
+- `Oft`       LyCORIS diag-OFT and kohya's OFT: W' = m ⊙ Rᵀ·W per block of output rows, R = (I + Q)(I − Q)⁻¹
+              orthogonal (Cayley), Q = P − Pᵀ from the stored blocks P [k, b, b], m the optional `rescale` per
+              output row; ΔW = W' − W reads the base weight, as DoRA's does, and strength s moves linearly from
+              W to W', as in LyCORIS and kohya's OFT. Where the file's alpha > 0 it is the constraint: Q is scaled
+              down to Frobenius norm alpha·n (n = k·b, the layer's outputs; over all of its blocks) where ‖Q‖
+              exceeds that, as both trainers bound it. (ComfyUI 0.28's LoraLoader bounds ‖Q‖ by alpha itself,
+              adds s²·(Rᵀ − I)·W and drops `rescale`; at s = 1, without `rescale` and with ‖Q‖ ≤ alpha, the
+              two agree.)
+- `Boft`      LyCORIS BOFT (butterfly OFT): W' = m ⊙ D·W with D = D_{M−1} ⋯ D_0, one stage per block of the
+              stored P [M, k, b, b]: D_i = Π_iᵀ · blockdiag(R_i) · Π_i, R_i the Cayley rotations of stage i (the
+              constraint bounds ‖Q‖ over all stages, as for `Oft`), and Π_i the butterfly permutation of the
+              output rows, which reads them in groups of 2·h (h = 2^i · b/2) as h pairs of rows h apart. ΔW =
+              W' − W; s moves linearly from W to W'. (LyCORIS and ComfyUI 0.28 move each stage's R_i linearly
+              from I instead, so W' is a polynomial of degree M in s there, and ComfyUI also multiplies the
+              delta by s; all three agree at s = 0 and s = 1.)
 - `Glora`     LyCORIS GLoRA: ΔW = c · (W·A1·A2 + B1·B2), with A1 [n, ra], A2 [ra, n], B1 [out, rb],
               B2 [rb, in, *kernel] and c = alpha / ra. W·A1·A2 mixes the weight's inputs: n is the
               flattened inputs (in·k) where A1 has that many rows, else (a conv, LyCORIS's current layout)
@@ -265,36 +275,54 @@ class FullDiff:
         return (self.diff,)
 
 
+def _cayley(blocks: torch.Tensor, constraint: float, device: torch.device | None) -> torch.Tensor:
+    """R = (I + Q)(I − Q)⁻¹ in fp32 for each block P [..., b, b], Q = P − Pᵀ scaled down to Frobenius norm
+    `constraint` (over all blocks) where that is > 0 and ‖Q‖ exceeds it: each R is orthogonal."""
+    p = _f32(blocks, device)
+    q = p - p.transpose(-1, -2)
+    if constraint > 0:
+        norm = float(torch.linalg.norm(q)) + 1e-8
+        if norm > constraint:
+            q = q * (constraint / norm)
+    eye = torch.eye(q.shape[-1], dtype=torch.float32, device=q.device)
+    return (eye + q) @ torch.linalg.inv(eye - q)
+
+
+def _rescaled(rotated: torch.Tensor, rescale: torch.Tensor | None) -> torch.Tensor:
+    if rescale is None:
+        return rotated
+    return rotated * _f32(rescale, rotated.device).reshape(rotated.shape[0], *[1] * (rotated.dim() - 1))
+
+
+def _base(base: torch.Tensor | None, shape: torch.Size, device: torch.device | None, layout: str) -> torch.Tensor:
+    if base is None:
+        raise ValueError(f"{layout} needs the base weight")
+    return _f32(base, device).reshape(shape)
+
+
 @dataclass(frozen=True)
 class Oft:
     blocks: torch.Tensor  # P: [k, b, b], k·b the layer's outputs
-    constraint: float  # the file's alpha: the largest Frobenius norm of Q; 0: none
+    constraint: float  # the file's alpha: ‖Q‖ ≤ alpha · outputs; 0: none
     rescale: torch.Tensor | None  # m: one factor per output row, or None
+
+    @property
+    def outputs(self) -> int:
+        return self.blocks.shape[0] * self.blocks.shape[1]
 
     def rotation(self, device: torch.device | None = None) -> torch.Tensor:
         """R [k, b, b] in fp32, each block orthogonal."""
-        p = _f32(self.blocks, device)
-        q = p - p.transpose(1, 2)
-        if self.constraint > 0:
-            norm = float(torch.linalg.norm(q)) + 1e-8
-            if norm > self.constraint:
-                q = q * (self.constraint / norm)
-        eye = torch.eye(q.shape[1], dtype=torch.float32, device=q.device)
-        return (eye + q) @ torch.linalg.inv(eye - q)
+        return _cayley(self.blocks, self.constraint * self.outputs, device)
 
     def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
               ) -> torch.Tensor:
         """ΔW = m ⊙ Rᵀ·W − W in fp32 for the base weight `base` (of `shape`), computed on `device` (None: where
         `base` is)."""
-        if base is None:
-            raise ValueError("OFT needs the base weight")
-        base = _f32(base, device).reshape(shape)
+        base = _base(base, shape, device, "OFT")
         r = self.rotation(base.device)
         k, b, _ = r.shape
         rotated = torch.einsum("knm,kn...->km...", r, base.reshape(k, b, *base.shape[1:])).reshape(base.shape)
-        if self.rescale is not None:
-            rotated = rotated * _f32(self.rescale, base.device).reshape(base.shape[0], *[1] * (base.dim() - 1))
-        return rotated - base
+        return _rescaled(rotated, self.rescale) - base
 
     def bound(self, base_max: float | None = None) -> float | None:
         """|m ⊙ Rᵀ·W| ≤ max|m| · √b · max|W| entrywise (R's columns are unit vectors), plus |W|; None without
@@ -303,6 +331,45 @@ class Oft:
             return None
         m = 1.0 if self.rescale is None else absmax(self.rescale)
         return (m * self.blocks.shape[1] ** 0.5 + 1.0) * base_max
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.blocks,) if self.rescale is None else (self.blocks, self.rescale)
+
+
+@dataclass(frozen=True)
+class Boft:
+    blocks: torch.Tensor  # P: [M, k, b, b], one stage of k blocks each, k·b the layer's outputs; b even
+    constraint: float  # the file's alpha, as `Oft`'s
+    rescale: torch.Tensor | None
+
+    @property
+    def outputs(self) -> int:
+        return self.blocks.shape[1] * self.blocks.shape[2]
+
+    def delta(self, shape: torch.Size, device: torch.device | None = None, base: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """ΔW = m ⊙ D·W − W in fp32 for the base weight `base` (of `shape`), computed on `device` (None: where
+        `base` is)."""
+        base = _base(base, shape, device, "BOFT")
+        r = _cayley(self.blocks, self.constraint * self.outputs, base.device)
+        b = r.shape[-1]
+        w = _flat(base)
+        cols = w.shape[1]
+        for i, stage in enumerate(r):
+            half = (b // 2) << i
+            paired = w.reshape(-1, 2, half, cols).transpose(1, 2).reshape(-1, b, cols)  # Π_i·W, in blocks of b
+            rotated = torch.bmm(stage, paired)
+            w = rotated.reshape(-1, half, 2, cols).transpose(1, 2).reshape(-1, cols)  # Π_iᵀ
+        return _rescaled(w.reshape(shape), self.rescale) - base
+
+    def bound(self, base_max: float | None = None) -> float | None:
+        """D is orthogonal and each of its rows has at most min(n, b^M) nonzero entries (each stage mixes b rows),
+        so |m ⊙ D·W| ≤ max|m| · √min(n, b^M) · max|W|, plus |W|; None without `base_max`."""
+        if base_max is None:
+            return None
+        stages, _, b, _ = self.blocks.shape
+        m = 1.0 if self.rescale is None else absmax(self.rescale)
+        return (m * min(self.outputs, b ** stages) ** 0.5 + 1.0) * base_max
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.blocks,) if self.rescale is None else (self.blocks, self.rescale)
@@ -321,9 +388,7 @@ class Glora:
 
     def _mixed(self, base: torch.Tensor | None, shape: torch.Size, device: torch.device | None) -> torch.Tensor:
         """W·A1·A2 [*shape] in fp32: over the flattened inputs, or a conv's channels at each kernel position."""
-        if base is None:
-            raise ValueError("GLoRA needs the base weight")
-        w = _f32(base, device).reshape(shape)
+        w = _base(base, shape, device, "GLoRA")
         a1, a2 = _f32(self.a1, w.device), _f32(self.a2, w.device)
         if self.flat:
             return ((_flat(w) @ a1) @ a2).reshape(shape)
@@ -372,8 +437,8 @@ class Glora:
 
 
 # Each one's `delta(shape, device, base)` and `bound(base_max)`: `base` (the layer's weight) and `base_max` (its
-# largest |entry|) are read by `Oft` and `Glora` only.
-WeightPatch = LowRank | LoHa | LoKr | FullDiff | Oft | Glora
+# largest |entry|) are read by `Oft`, `Boft` and `Glora` only.
+WeightPatch = LowRank | LoHa | LoKr | FullDiff | Oft | Boft | Glora
 
 
 @dataclass
@@ -389,8 +454,8 @@ class LayerPatch:
 
     @property
     def reads_weight(self) -> bool:
-        """ΔW is computed from the layer's base weight (DoRA, OFT, GLoRA)."""
-        return self.dora_scale is not None or isinstance(self.weight, (Oft, Glora))
+        """ΔW is computed from the layer's base weight (DoRA, OFT, BOFT, GLoRA)."""
+        return self.dora_scale is not None or isinstance(self.weight, (Oft, Boft, Glora))
 
     @property
     def runtime_low_rank(self) -> bool:
@@ -423,8 +488,8 @@ class LayerPatch:
         return dora_delta(_f32(base_weight, delta.device), delta, _f32(self.dora_scale, delta.device))
 
     def bound(self, base_max: float | None = None) -> float | None:
-        """A bound on |ΔW| entries from the factors' maxima. DoRA's, OFT's and GLoRA's also need `base_max`, the
-        largest |entry| of the base weight (OFT's: `Oft.bound`, GLoRA's: `Glora.bound`). DoRA's: each entry of
+        """A bound on |ΔW| entries from the factors' maxima. DoRA's, OFT's, BOFT's and GLoRA's also need
+        `base_max`, the largest |entry| of the base weight (the patch's own `bound`). DoRA's: each entry of
         m ⊙ W'/‖W'‖ is at most |m|, so |ΔW_dora| ≤ max|m| + max|W| wherever W' is finite in fp32. None where no
         bound is shown."""
         if self.weight is None:

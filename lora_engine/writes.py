@@ -93,7 +93,7 @@ def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
 
 
 def _weight(bank: SlotBank, plan: ModulePlan) -> torch.Tensor | None:
-    """The layer's weight where the plan reads it (DoRA, OFT, GLoRA), else None."""
+    """The layer's weight where the plan reads it (DoRA, OFT, BOFT, GLoRA), else None."""
     return bank.weight_fn(plan.module) if plan.reads_weight else None
 
 

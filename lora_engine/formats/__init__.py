@@ -16,8 +16,8 @@ from ..patches import LayerPatch
 from . import diff, dora, lora, lycoris
 from ._util import ParseContext
 
-PARSERS = (lora.parse, lycoris.parse_loha, lycoris.parse_lokr, lycoris.parse_oft, lycoris.parse_glora, diff.parse,
-           dora.parse)
+PARSERS = (lora.parse, lycoris.parse_loha, lycoris.parse_lokr, lycoris.parse_oft, lycoris.parse_boft,
+           lycoris.parse_glora, diff.parse, dora.parse)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""LyCORIS LoHa (`hada_*`), LoKr (`lokr_*`), diag-OFT (`oft_blocks`, 3-D; BOFT's 4-D blocks are left over) and
-GLoRA (`a1`, `a2`, `b1`, `b2`)."""
+"""LyCORIS LoHa (`hada_*`), LoKr (`lokr_*`), diag-OFT (`oft_blocks` [k, b, b], also kohya's OFT), BOFT
+(`oft_blocks` [M, k, b, b]) and GLoRA (`a1`, `a2`, `b1`, `b2`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import LoRAShapeError
-from ..patches import Glora, LoHa, LoKr, Oft
+from ..patches import Boft, Glora, LoHa, LoKr, Oft
 from ._util import ParseContext, finite_scale, layer, pop_alpha, prefixes
 
 LOHA_PARTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
@@ -87,29 +87,61 @@ def parse_lokr(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> s
 
 def parse_oft(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
     """`{prefix}.oft_blocks` [k, b, b], `{prefix}.alpha` (the constraint on ‖Q‖, not a scale) and an optional
-    `{prefix}.rescale` [out, 1, ...]. BOFT's blocks [m, k, b, b] stay in the leftover, which names the layout."""
+    `{prefix}.rescale` [out, 1, ...]."""
+    return _parse_oft(tensors, layers, ctx, butterfly=False)
+
+
+def parse_boft(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext) -> str | None:
+    """BOFT: `{prefix}.oft_blocks` [M, k, b, b], M butterfly stages of k blocks, with `alpha` and `rescale` as
+    diag-OFT's. Stage i pairs rows 2^i · b/2 apart within groups of 2^i · b rows, so b is even and k a multiple
+    of 2^(M−1)."""
+    return _parse_oft(tensors, layers, ctx, butterfly=True)
+
+
+def _parse_oft(tensors: dict[str, torch.Tensor], layers, ctx: ParseContext, butterfly: bool) -> str | None:
+    dims, name = (4, "boft") if butterfly else (3, "oft")
     found = False
     for prefix in prefixes(tensors, ".oft_blocks"):
-        blocks = tensors[f"{prefix}.oft_blocks"]
-        if blocks.dim() == 4:
+        key = f"{prefix}.oft_blocks"
+        blocks = tensors[key]
+        if blocks.dim() not in (3, 4):
+            raise LoRAShapeError(f"oft_blocks {tuple(blocks.shape)!r} is neither a stack of square blocks [k, b, b] "
+                                 "nor BOFT's stages of them [M, k, b, b]", path=ctx.path, key=key,
+                                 remedy="the file is corrupt; re-export it")
+        if blocks.dim() != dims:
             continue
-        if blocks.dim() != 3 or blocks.shape[1] != blocks.shape[2] or blocks.numel() == 0:
-            raise LoRAShapeError(f"oft_blocks {tuple(blocks.shape)!r} is not a stack of square blocks [k, b, b]",
-                                 path=ctx.path, key=f"{prefix}.oft_blocks", remedy="the file is corrupt; re-export it")
+        _check_blocks(blocks, ctx.path, key)
         consumed: list[str] = []
-        _pop(tensors, f"{prefix}.oft_blocks", consumed)
+        _pop(tensors, key, consumed)
         rescale = _pop(tensors, f"{prefix}.rescale", consumed)
-        outputs = blocks.shape[0] * blocks.shape[1]
+        outputs = blocks.shape[-3] * blocks.shape[-1]
         if rescale is not None and rescale.numel() != outputs:
             raise LoRAShapeError(f"rescale {tuple(rescale.shape)!r} does not hold one factor for each of the "
                                  f"{outputs} outputs of oft_blocks {tuple(blocks.shape)!r}", path=ctx.path,
                                  key=f"{prefix}.rescale", remedy="the file is corrupt; re-export it")
         alpha = pop_alpha(tensors, prefix, consumed)
-        entry = layer(layers, prefix, "oft", ctx.path)
-        entry.weight = Oft(blocks, constraint=finite_scale(alpha or 0.0, ctx.path, prefix), rescale=rescale)
+        entry = layer(layers, prefix, name, ctx.path)
+        entry.weight = (Boft if butterfly else Oft)(blocks, constraint=finite_scale(alpha or 0.0, ctx.path, prefix),
+                                                    rescale=rescale)
         entry.source_keys.extend(consumed)
         found = True
-    return "oft" if found else None
+    return name if found else None
+
+
+def _check_blocks(blocks: torch.Tensor, path: str, key: str) -> None:
+    shape = tuple(blocks.shape)
+    problem = None
+    if blocks.shape[-1] != blocks.shape[-2] or blocks.numel() == 0:
+        problem = "is not a stack of square blocks [k, b, b]" if blocks.dim() == 3 else \
+            "is not a stack of BOFT stages of square blocks [M, k, b, b]"
+    elif blocks.dim() == 4 and blocks.shape[-1] % 2:
+        problem = "has BOFT blocks of an odd size: a butterfly stage rotates pairs of halves of a block"
+    elif blocks.dim() == 4 and blocks.shape[1] % (1 << (blocks.shape[0] - 1)):
+        problem = (f"has {blocks.shape[0]} BOFT stages, which need a multiple of 2^{blocks.shape[0] - 1} blocks "
+                   f"per stage, not {blocks.shape[1]}")
+    if problem:
+        raise LoRAShapeError(f"oft_blocks {shape!r} {problem}", path=path, key=key,
+                             remedy="the file is corrupt; re-export it")
 
 
 GLORA_PARTS = ("a1.weight", "a2.weight", "b1.weight", "b2.weight")

@@ -168,16 +168,23 @@ def dora_tensors(model: nn.Module, seed: int, axis: str = "input", tensors: dict
 
 
 def oft_tensors(model: nn.Module, seed: int, constraint: float = 0.0, rescale: bool = False,
-                std: float = 0.2) -> dict[str, torch.Tensor]:
-    """LyCORIS diag-OFT, as ComfyUI's weight_adapter/oft.py reads it: `oft_blocks` [k, b, b] over the output rows
-    (b = 3, 4 or 5, whichever divides them first), the constraint as `alpha`, and `rescale` [out, 1, ...] if
-    asked."""
+                std: float = 0.2, butterfly: bool = False) -> dict[str, torch.Tensor]:
+    """LyCORIS diag-OFT: `oft_blocks` [k, b, b] over the output rows (b = 3, 4 or 5, whichever divides them
+    first), the constraint as `alpha`, and `rescale` [out, 1, ...] if asked. With `butterfly`, LyCORIS BOFT
+    `oft_blocks` [M, k, b, b] where the outputs are even (b = 4 where 4 divides them, else 2; M up to 3 stages, as
+    many as k allows), diag-OFT blocks on the others."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in weight_shapes(model).items():
         p = "lora_unet_" + name.replace(".", "_")
-        b = next(b for b in (4, 3, 5) if shape[0] % b == 0)
-        out[f"{p}.oft_blocks"] = _rand(g, shape[0] // b, b, b, std=std)
+        if butterfly and shape[0] % 2 == 0:
+            b = 4 if shape[0] % 4 == 0 else 2
+            k = shape[0] // b
+            stages = next(m for m in (3, 2, 1) if k % (1 << (m - 1)) == 0)
+            out[f"{p}.oft_blocks"] = _rand(g, stages, k, b, b, std=std)
+        else:
+            b = next(b for b in (4, 3, 5) if shape[0] % b == 0)
+            out[f"{p}.oft_blocks"] = _rand(g, shape[0] // b, b, b, std=std)
         out[f"{p}.alpha"] = torch.tensor(float(constraint))
         if rescale:
             out[f"{p}.rescale"] = 1.0 + _rand(g, shape[0], *([1] * (len(shape) - 1)), std=0.1)

@@ -99,11 +99,19 @@ def not_a_lora(tmp_path):
     return lf.write(tmp_path, "checkpoint.safetensors", {"model.diffusion_model.x.weight": torch.zeros(2, 2)})
 
 
-def boft(tmp_path):
-    """LyCORIS BOFT, as ComfyUI's weight_adapter/boft.py reads it: butterfly stages of block rotations [m, k, b, b]
-    and an alpha per layer."""
-    return lf.write(tmp_path, "boft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(2, 4, 2, 2),
-                                                   "lora_unet_proj.alpha": torch.tensor(1.0)})
+def boft_odd_blocks(tmp_path):
+    """LyCORIS BOFT: butterfly stages of block rotations [M, k, b, b]; a stage rotates halves of a block."""
+    return lf.write(tmp_path, "boft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(1, 5, 3, 3),
+                                                   "lora_unet_proj.alpha": torch.tensor(0.0)})
+
+
+def boft_too_many_stages(tmp_path):
+    """Stage i pairs rows 2^i · b/2 apart in groups of 2^i · b: 3 stages need a multiple of 4 blocks."""
+    return lf.write(tmp_path, "boft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(3, 6, 2, 2)})
+
+
+def oft_blocks_of_five_dims(tmp_path):
+    return lf.write(tmp_path, "oft.safetensors", {"lora_unet_proj.oft_blocks": torch.zeros(1, 2, 4, 2, 2)})
 
 
 def oft_not_square(tmp_path):
@@ -162,7 +170,10 @@ CASES = [
     (wrong_size, LoRAFileError, "needs 16 bytes", "x.lora_down.weight"),
     (nan_values, NonFiniteError, "NaN", "lora_unet_proj.lora_up.weight"),
     (not_a_lora, LoRAFormatError, "no LoRA", None),
-    (boft, LoRAFormatError, "holds BOFT layers", None),
+    (boft_odd_blocks, LoRAShapeError, "(1, 5, 3, 3) has BOFT blocks of an odd size", "lora_unet_proj.oft_blocks"),
+    (boft_too_many_stages, LoRAShapeError, "(3, 6, 2, 2) has 3 BOFT stages, which need a multiple of 2^2 blocks "
+     "per stage, not 6", "lora_unet_proj.oft_blocks"),
+    (oft_blocks_of_five_dims, LoRAShapeError, "is neither a stack of square blocks", "lora_unet_proj.oft_blocks"),
     (oft_not_square, LoRAShapeError, "(4, 2, 3) is not a stack of square blocks", "lora_unet_proj.oft_blocks"),
     (oft_rescale_of_another_size, LoRAShapeError, "rescale (7, 1) does not hold one factor for each of the 8",
      "lora_unet_proj.rescale"),
@@ -205,12 +216,14 @@ def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
     # proj has 16 outputs
     (lambda m: lf.oft_tensors(m, 1), "lora_unet_proj.oft_blocks", torch.zeros(5, 4, 4),
      ["'lora_unet_proj'", "(5, 4, 4) rotate 20 output rows", "'proj' has 16"]),
+    (lambda m: lf.oft_tensors(m, 1, butterfly=True), "lora_unet_proj.oft_blocks", torch.zeros(2, 4, 2, 2),
+     ["'lora_unet_proj'", "(2, 4, 2, 2) rotate 8 output rows", "'proj' has 16"]),
     # a GLoRA of another model size: proj's 96 inputs read as 90
     (lambda m: {**lf.glora_tensors(m, 1), "lora_unet_proj.a1.weight": torch.zeros(90, 2),
                 "lora_unet_proj.a2.weight": torch.zeros(2, 90), "lora_unet_proj.b2.weight": torch.zeros(2, 90)},
      "lora_unet_proj.b1.weight", torch.zeros(16, 2),
      ["'lora_unet_proj'", "a1 (90, 2), a2 (2, 90), b1 (16, 2), b2 (2, 90)", "do not fit layer 'proj'"]),
-], ids=["lora", "oft", "glora"])
+], ids=["lora", "oft", "boft", "glora"])
 def test_wrong_shape_names_file_key_and_layer(tmp_path, make, key, value, texts):
     t = make(lf.tiny())
     t[key] = value

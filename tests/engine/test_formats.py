@@ -93,25 +93,47 @@ def ref_dora(t, model, axis, delta=None):
     return out
 
 
+def _rotations(blocks, alpha, outputs):
+    """The Cayley rotation R = (I + Q)(I − Q)⁻¹ of each block, Q = P − Pᵀ first scaled to Frobenius norm
+    alpha·outputs where alpha > 0 and ‖Q‖ (over all blocks) exceeds it."""
+    q = blocks - blocks.transpose(-1, -2)
+    if alpha > 0 and float(q.norm()) > alpha * outputs:
+        q = q * alpha * outputs / float(q.norm())
+    eye = torch.eye(q.shape[-1], dtype=torch.float64)
+    return [torch.linalg.solve((eye - qi).T, (eye + qi).T).T for qi in q.reshape(-1, *q.shape[-2:])]
+
+
+def _butterfly(n, b, stage):
+    """The permutation matrix P with P·W = W's rows in stage `stage`'s order: in each group of 2h rows (h = 2^stage
+    · b/2), row j of its first half, then row j of its second half, for j = 0 … h − 1."""
+    half = (b // 2) << stage
+    order = [c * 2 * half + g * half + j for c in range(n // (2 * half)) for j in range(half) for g in range(2)]
+    return torch.eye(n, dtype=torch.float64)[order]
+
+
 def ref_oft(t, model):
-    """W' = m ⊙ Dᵀ·W with D the block-diagonal matrix of the Cayley rotations, each block's Q = P − Pᵀ first
-    scaled to Frobenius norm alpha where alpha > 0 and ‖Q‖ (over all blocks) exceeds it."""
+    """Diag-OFT: W' = m ⊙ Dᵀ·W with D the block-diagonal matrix of the rotations. BOFT (4-D blocks): W' = m ⊙
+    D_{M−1} ⋯ D_0 · W, D_i = P_iᵀ·blockdiag(R_i)·P_i with P_i stage i's butterfly permutation."""
     mods = dict(model.named_modules())
     out = {}
     for name, shape in lf.weight_shapes(model).items():
         p = _kohya_prefix(name)
         blocks = t[p + ".oft_blocks"].double()
-        q = blocks - blocks.transpose(1, 2)
-        alpha = float(t[p + ".alpha"])
-        if alpha > 0 and float(q.norm()) > alpha:
-            q = q * alpha / float(q.norm())
-        eye = torch.eye(q.shape[1], dtype=torch.float64)
-        d = torch.block_diag(*[torch.linalg.solve((eye - qi).T, (eye + qi).T).T for qi in q])
-        w = mods[name].weight.detach().double()
-        rotated = (d.T @ w.reshape(shape[0], -1)).reshape(shape)
+        n = shape[0]
+        rotations = _rotations(blocks, float(t[p + ".alpha"]), n)
+        w = mods[name].weight.detach().double().reshape(n, -1)
+        if blocks.dim() == 3:
+            rotated = torch.block_diag(*rotations).T @ w
+        else:
+            stages, k, b, _ = blocks.shape
+            rotated = w
+            for i in range(stages):
+                perm = _butterfly(n, b, i)
+                rotated = perm.T @ torch.block_diag(*rotations[i * k:(i + 1) * k]) @ perm @ rotated
+        rotated = rotated.reshape(shape)
         if p + ".rescale" in t:
             rotated = rotated * t[p + ".rescale"].double()
-        out[name] = rotated - w
+        out[name] = rotated - w.reshape(shape)
     return out
 
 
@@ -164,7 +186,11 @@ CASES = [
     ("dora-output-axis", lambda m: lf.dora_tensors(m, 11, "output"), lambda t, m: ref_dora(t, m, "output"),
      "dense"),
     ("oft", lambda m: lf.oft_tensors(m, 15), ref_oft, "dense"),
-    ("oft-constrained-rescaled", lambda m: lf.oft_tensors(m, 16, constraint=0.5, rescale=True), ref_oft, "dense"),
+    # alpha 0.02 bounds ‖Q‖ by 0.02 · outputs on every layer here (test_oft_constraint_binds)
+    ("oft-constrained-rescaled", lambda m: lf.oft_tensors(m, 16, constraint=0.02, rescale=True), ref_oft, "dense"),
+    ("boft", lambda m: lf.oft_tensors(m, 22, butterfly=True), ref_oft, "dense"),
+    ("boft-constrained-rescaled", lambda m: lf.oft_tensors(m, 23, constraint=0.02, rescale=True, butterfly=True),
+     ref_oft, "dense"),
     # GLoRA: the Linears run its rank-2r form; a 3×3 conv mixes its channels per kernel position, a dense ΔW there
     ("glora", lambda m: lf.glora_tensors(m, 17), lambda t, m: ref_glora(t, m, "current"), "mixed"),
     ("glora-tucker", lambda m: lf.glora_tensors(m, 18, "tucker"), lambda t, m: ref_glora(t, m, "tucker"), "mixed"),
@@ -234,6 +260,19 @@ def test_formats_are_named_in_the_report(tmp_path):
     assert set(adapter.formats) == {"kohya", "loha"}
     report = SlotBank(model).report(adapter)
     assert (report.low_rank, report.dense, report.runtime_path) == (2, 1, "mixed")
+
+
+@pytest.mark.parametrize("butterfly", [False, True], ids=["oft", "boft"])
+def test_oft_constraint_binds(tmp_path, butterfly):
+    """The constrained cases above test the constraint only where it scales Q: on every layer ‖Q‖ exceeds alpha ·
+    outputs (the trainers' bound) and alpha itself (ComfyUI's reading of it), so either misreading fails them."""
+    model = lf.tiny()
+    t = lf.oft_tensors(model, 23 if butterfly else 16, constraint=0.02, rescale=True, butterfly=butterfly)
+    for name, shape in lf.weight_shapes(model).items():
+        blocks = t[_kohya_prefix(name) + ".oft_blocks"]
+        assert float((blocks - blocks.transpose(-1, -2)).norm()) > 0.02 * shape[0] > 0.02
+    adapter = load_adapter(lf.write(tmp_path, "oft.safetensors", t))
+    assert set(adapter.formats) == ({"oft", "boft"} if butterfly else {"oft"})  # head's 5 outputs: diag-OFT
 
 
 def test_leftover_keys_are_reported_not_dropped(tmp_path):

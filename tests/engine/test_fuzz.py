@@ -398,7 +398,7 @@ def test_headers(workdir, data):
 # -- (c) + (d) valid adapter files, mutated ----------------------------------------------------------
 
 LAYOUTS = ("kohya", "peft", "peft-default", "diffusers", "locon-mid", "loha", "lokr", "diff", "dora-input",
-           "dora-output", "oft", "glora", "glora-tucker", "glora-older")
+           "dora-output", "oft", "boft", "glora", "glora-tucker", "glora-older")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int64,
           torch.bool, torch.float8_e4m3fn)
 SUFFIX_SWAPS = ((".lora_down.weight", ".lora_dn.weight"), (".lora_up.weight", ".lora_up.weight.extra"),
@@ -419,8 +419,8 @@ def layout_tensors(layout: str, seed: int, rank: int) -> dict[str, torch.Tensor]
         return lf.diff_tensors(model, seed)
     if layout.startswith("dora"):
         return lf.dora_tensors(model, seed, axis=layout.split("-")[1])
-    if layout == "oft":
-        return lf.oft_tensors(model, seed)
+    if layout in ("oft", "boft"):
+        return lf.oft_tensors(model, seed, butterfly=layout == "boft")
     if layout.startswith("glora"):
         return lf.glora_tensors(model, seed, layout.partition("-")[2] or "current", rank=rank)
     return lf.lora_tensors(model, layout, seed, rank=rank)

@@ -69,10 +69,12 @@ CASES = (
     Case("flux", (("lokr-full", 1.0),)),
     Case("flux", (("kohya", 0.7), ("lokr-full", -0.6))),
     Case("flux", (("kohya", 0.7), ("diffusers", -0.6))),
-    # OFT at strength 1 (ComfyUI's LoraLoader scales its delta by s², the runtime by s), first in the stack:
-    # ComfyUI's LoraLoader rotates the weight as the LoRAs before it left it, the runtime the base weight.
+    # OFT and BOFT at strength 1 (ComfyUI's LoraLoader scales their deltas otherwise, the runtime by s), first in
+    # the stack: ComfyUI's LoraLoader rotates the weight as the LoRAs before it left it, the runtime the base weight.
     Case("flux", (("oft", 1.0),)),
     Case("flux", (("oft", 1.0), ("kohya", 0.7))),
+    Case("flux", (("boft", 1.0),)),
+    Case("flux", (("boft", 1.0), ("kohya", 0.7))),
     Case("flux", (("diffusers", 1.0), ("lokr", 0.5), ("loha", -0.8))),
     # GLoRA's W·a1·a2 reads the weight: ComfyUI's LoraLoader reads it as the LoRAs before it left it, the runtime
     # the base weight, so it comes first in a stack here too. It is linear in the strength in both.
@@ -83,6 +85,7 @@ CASES = (
     Case("sdxl", (("diffusers", 0.9),)),
     Case("sdxl", (("kohya", 0.8), ("diffusers", -0.5))),
     Case("sdxl", (("oft", 1.0),)),
+    Case("sdxl", (("boft", 1.0),)),
     Case("sdxl", (("glora", 0.9),)),
     Case("wan21", (("lightx2v", 1.0),)),
     Case("wan21", (("peft", 1.0),)),

@@ -85,10 +85,12 @@ class Writer:
             self.sd[f"{prefix}.hada_{w}_b"] = self.randn(rank, fin, std=0.3)
         self.sd[prefix + ".alpha"] = self.torch.tensor(alpha)
 
-    def oft(self, prefix: str, *, block: int = 4, std: float = 0.05) -> None:
-        """LyCORIS diag-OFT: `oft_blocks` [out / block, block, block] and alpha 0 (no constraint)."""
+    def oft(self, prefix: str, *, block: int = 4, std: float = 0.05, stages: int | None = None) -> None:
+        """LyCORIS diag-OFT: `oft_blocks` [out / block, block, block] and alpha 0 (no constraint); with `stages`,
+        BOFT: that many butterfly stages of such blocks, [stages, out / block, block, block]."""
         out, _, _ = self.target(prefix)
-        self.sd[prefix + ".oft_blocks"] = self.randn(out // block, block, block, std=std)
+        shape = (out // block, block, block) if stages is None else (stages, out // block, block, block)
+        self.sd[prefix + ".oft_blocks"] = self.randn(*shape, std=std)
         self.sd[prefix + ".alpha"] = self.torch.tensor(0.0)
 
     def glora(self, prefix: str, *, rank: int = 4, alpha: float = 2.0, older: bool = False) -> None:
@@ -173,10 +175,11 @@ def flux_loha(w: Writer) -> None:  # LyCORIS LoHa with kohya names
         w.loha("lora_unet_" + name)
 
 
-def flux_oft(w: Writer) -> None:  # LyCORIS diag-OFT with kohya names, the fused qkv among them
+def flux_oft(w: Writer, stages: int | None = None) -> None:
+    """LyCORIS diag-OFT, or BOFT of `stages` stages, with kohya names, the fused qkv among them."""
     for name in ("double_blocks_0_img_attn_qkv", "double_blocks_1_txt_mlp_2", "single_blocks_0_linear2",
                  "single_blocks_1_linear1"):
-        w.oft("lora_unet_" + name)
+        w.oft("lora_unet_" + name, stages=stages)
 
 
 def flux_glora(w: Writer, older: bool = False) -> None:
@@ -230,10 +233,10 @@ def sdxl_glora(w: Writer) -> None:
         w.glora(name)
 
 
-def sdxl_oft(w: Writer) -> None:
-    """LyCORIS diag-OFT there."""
+def sdxl_oft(w: Writer, stages: int | None = None) -> None:
+    """LyCORIS diag-OFT there, or BOFT of `stages` stages."""
     for name in sdxl_convs_and_attention(w):
-        w.oft(name)
+        w.oft(name, stages=stages)
 
 
 def sdxl_diffusers(w: Writer, unet_to_diffusers) -> None:
@@ -539,9 +542,11 @@ def families(comfy) -> dict[str, Family]:
         "flux": Family("Flux", flux_config(256, FLUX_DEPTH, FLUX_SINGLE_DEPTH, context_in_dim=64, vec_in_dim=32),
                        flux_inputs, {"kohya": flux_kohya, "diffusers": flux_diffusers, "lokr": flux_lokr,
                                      "lokr-full": flux_lokr_full, "loha": flux_loha, "oft": flux_oft,
+                                     "boft": lambda w: flux_oft(w, stages=3),
                                      "glora": flux_glora, "glora-older": lambda w: flux_glora(w, older=True)}),
         "sdxl": Family("SDXL", SDXL_UNET, sdxl_inputs,
-                       {"kohya": sdxl_kohya, "oft": sdxl_oft, "glora": sdxl_glora,
+                       {"kohya": sdxl_kohya, "oft": sdxl_oft, "boft": lambda w: sdxl_oft(w, stages=2),
+                        "glora": sdxl_glora,
                         "diffusers": lambda w: sdxl_diffusers(w, comfy.utils.unet_to_diffusers(w.unet_config))},
                        resize=SDXL_TINY),
         "wan21": Family("WAN21_T2V", WAN_UNET, wan_inputs,

@@ -131,24 +131,36 @@ def gguf_dora(models_dir) -> str:
 
 
 OFT = "gguf_oft.safetensors"
+BOFT = "gguf_boft.safetensors"
 
 
-@pytest.fixture(scope="module")
-def gguf_oft(models_dir) -> str:
-    """LyCORIS diag-OFT (blocks of 4 output rows, no constraint) on the same four Linears. Its rotation reads the
-    base weight, which ComfyUI-GGUF keeps quantized."""
+def _oft_file(models_dir, name: str, seed: int, stages: int | None) -> str:
+    """LyCORIS diag-OFT (blocks of 4 output rows, no constraint), or with `stages` BOFT (that many butterfly stages
+    of such blocks), on the same four Linears. The rotation reads the base weight, which ComfyUI-GGUF keeps
+    quantized."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
     with safe_open(str(models_dir / "loras" / synth.LORA_NAMES["kohya"]), "pt") as f:
         outputs = {layer: f.get_slice(f"{layer}.lora_up.weight").get_shape()[0] for layer in DORA_LAYERS}
-    g = torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer, out in outputs.items():
-        tensors[f"{layer}.oft_blocks"] = 0.3 * torch.randn(out // 4, 4, 4, generator=g)
+        shape = (out // 4, 4, 4) if stages is None else (stages, out // 4, 4, 4)
+        tensors[f"{layer}.oft_blocks"] = 0.3 * torch.randn(*shape, generator=g) / (stages or 1) ** 0.5
         tensors[f"{layer}.alpha"] = torch.tensor(0.0)
-    save_file(tensors, str(models_dir / "loras" / OFT))
-    return OFT
+    save_file(tensors, str(models_dir / "loras" / name))
+    return name
+
+
+@pytest.fixture(scope="module")
+def gguf_oft(models_dir) -> str:
+    return _oft_file(models_dir, OFT, 6, None)
+
+
+@pytest.fixture(scope="module")
+def gguf_boft(models_dir) -> str:
+    return _oft_file(models_dir, BOFT, 8, 3)
 
 
 GLORA = "gguf_glora.safetensors"
@@ -176,11 +188,12 @@ def gguf_glora(models_dir) -> str:
     return GLORA
 
 
-@pytest.mark.parametrize("fixture", ["gguf_dora", "gguf_oft", "gguf_glora"])
+@pytest.mark.parametrize("fixture", ["gguf_dora", "gguf_oft", "gguf_boft", "gguf_glora"])
 def test_a_lora_that_reads_the_weight_on_a_gguf_model_matches_its_own_lora_path(gguf_server, fixture, request,
                                                                                 record_property):
-    """DoRA's norm, OFT's rotation and GLoRA's W·a1·a2 read the base weight, which ComfyUI-GGUF keeps quantized. OFT
-    at strength 1, where ComfyUI's (s² · (R − I)·W) and ours (s · (R − I)·W) agree."""
+    """DoRA's norm, OFT's and BOFT's rotations and GLoRA's W·a1·a2 read the base weight, which ComfyUI-GGUF keeps
+    quantized. OFT and BOFT at strength 1, where ComfyUI's deltas (s² · (R − I)·W for OFT) and ours (s · (R − I)·W)
+    agree."""
     name = request.getfixturevalue(fixture)
     run = lambda prompt: one(gguf_server, prompt)  # noqa: E731
     floor = mad(run(stock(STACK[:1])), run(stock(STACK[:1], "LoraLoaderBypassModelOnly")))
