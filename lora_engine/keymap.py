@@ -44,7 +44,8 @@ def bindable(module: nn.Module) -> bool:
 
 # Prefixes that name the model part in a file rather than a module path.
 DOTTED_PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.", "unet.", "text_encoder.", "model.")
-KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_", "lora_te1_", "lora_te2_", "lora_te_", "lycoris_", "lora_")
+KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_", "lora_te1_", "lora_te2_", "lora_te_", "lycoris_", "oft_unet_",
+                  "lora_")
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,9 @@ def _keymap(root, kind: str) -> KeyMap:
     if km is None:
         if kind == "unet":
             mapping = comfy.lora.model_lora_keys_unet(root, {})
+            # kohya sd-scripts' OFT names the UNet's layers `oft_unet_<module>`, where its LoRAs say `lora_unet_`
+            mapping.update({"oft_unet_" + key[len("lora_unet_"):]: value for key, value in list(mapping.items())
+                            if key.startswith("lora_unet_")})
         else:
             mapping = comfy.lora.model_lora_keys_clip(root, {})
         km = KeyMap(root, mapping, defaults=False)

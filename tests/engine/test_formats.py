@@ -275,6 +275,23 @@ def test_oft_constraint_binds(tmp_path, butterfly):
     assert set(adapter.formats) == ({"oft", "boft"} if butterfly else {"oft"})  # head's 5 outputs: diag-OFT
 
 
+def test_kohya_oft_names(tmp_path):
+    """kohya sd-scripts' OFT writes the same blocks under `oft_unet_<module>`: every layer binds, as under
+    `lora_unet_`."""
+    model, x = lf.tiny(), lf.tiny_input()
+    t = lf.oft_tensors(model, 16, constraint=0.02)
+    outputs = []
+    for name, tensors in (("lycoris", t), ("kohya", {k.replace("lora_unet_", "oft_unet_"): v for k, v in t.items()})):
+        adapter = load_adapter(lf.write(tmp_path, f"{name}.safetensors", tensors))
+        bank = SlotBank(model)
+        assert bank.report(adapter).matched == len(lf.LAYERS)
+        with torch.no_grad():
+            bank.activate([(adapter, 0.8)])
+            outputs.append(model(x))
+            bank.release()
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_leftover_keys_are_reported_not_dropped(tmp_path):
     model = lf.tiny()
     t = lf.lora_tensors(model, "kohya", 1, layers=("proj",))
