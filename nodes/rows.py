@@ -68,6 +68,13 @@ def named_rows(inputs: Mapping[str, object], max_rows: int = MAX_ROWS) -> list[o
     return [n for n in (inputs.get(f"lora_{i}") for i in range(1, max_rows + 1)) if not is_blank(n)]
 
 
+def switched_rows(inputs: Mapping[str, object], max_rows: int = MAX_ROWS) -> list[int]:
+    """The rows that name a LoRA or are switched off: the frontend sends a row that is off with its LoRA as "None"
+    (web/rows.js promptValue), so its toggle says that the row was there."""
+    return [i for i in range(1, max_rows + 1)
+            if not is_blank(inputs.get(f"lora_{i}")) or inputs.get(f"enabled_{i}", True) is False]
+
+
 def row_entries(inputs: Mapping[str, object], single_strength: bool = False,
                 max_rows: int = MAX_ROWS) -> list[Entry]:
     """The entries that rows 1..max_rows of `inputs` stand for, in row order."""
@@ -128,4 +135,4 @@ class LoRAStackRows:
             items = entries(lora_stack) + own
         except StackError as e:
             raise ValueError(str(e)) from None
-        return (as_stack(items, left_out=bool(named_rows(rows)) and not own),)
+        return (as_stack(items, left_out=bool(switched_rows(rows)) and not own),)

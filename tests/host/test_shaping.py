@@ -213,15 +213,16 @@ def test_a_schedule_on_a_lora_listed_twice_is_refused_by_the_loader(server, plai
     assert np.array_equal(server.run(graph(entry()))[0], plain[1.0])
 
 
-@pytest.mark.parametrize("disabled", ["LoRAStack", "LoRAStackRows"])
+@pytest.mark.parametrize("disabled", ["LoRAStack", "LoRAStackRows", "LoRAStackRows-ui"])
 def test_an_empty_entry_after_a_disabled_lora_shapes_nothing(server, plain, disabled):
     """"The one just added" was left out, and its schedule and block weights with it, not put on the entry
-    before it."""
+    before it. The rows node's frontend sends a row that is off with its LoRA as "None" (`-ui`)."""
     other = synth.LORA_NAMES["locon"]
-    off = ({"lora_name": other, "strength_model": 1.0, "strength_clip": 0.0, "enabled": False}
-           if disabled == "LoRAStack" else {"lora_1": other, "enabled_1": False})
+    off = {"LoRAStack": {"lora_name": other, "strength_model": 1.0, "strength_clip": 0.0, "enabled": False},
+           "LoRAStackRows": {"lora_1": other, "enabled_1": False},
+           "LoRAStackRows-ui": {"lora_1": "None", "enabled_1": False, "strength_model_1": 1.0}}[disabled]
     stack = {**entry(),
-             "s1": {"class_type": disabled, "inputs": {"lora_stack": ["s0", 0], **off}},
+             "s1": {"class_type": disabled.removesuffix("-ui"), "inputs": {"lora_stack": ["s0", 0], **off}},
              "s2": {"class_type": "LoRAStrengthSchedule", "inputs": {"lora_stack": ["s1", 0], "entry": "",
                                                                      "keyframes": "0:0", "interpolation": "step"}},
              "s3": {"class_type": "LoRABlockWeights", "inputs": {"lora_stack": ["s2", 0], "entry": "",
