@@ -12,6 +12,7 @@ import torch
 
 from lora_engine import (KeyMap, LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError,
                          NonFiniteError, SlotBank, load_adapter)
+from lora_engine.reader import read_tensors
 
 from . import lora_files as lf
 
@@ -198,6 +199,17 @@ def test_bad_file(tmp_path, maker, error, text, key):
     assert os.path.basename(path) in msg and e.value.path is not None
     if key is not None:
         assert e.value.key == key and repr(key) in msg
+
+
+def test_every_safetensors_integer_dtype_is_read(tmp_path):
+    """A model file may hold unsigned tensors (the bake writer writes them too): the header check reads them."""
+    from safetensors.torch import save_file
+    tensors = {str(d).split(".")[1]: torch.arange(6).reshape(2, 3).to(d)
+               for d in (torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.bool)}
+    path = str(tmp_path / "ints.safetensors")
+    save_file(tensors, path)
+    got, _ = read_tensors(path)
+    assert all(torch.equal(got[k], t) for k, t in tensors.items())
 
 
 def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
