@@ -103,7 +103,7 @@ class ModulePlan:
     rank: int = field(init=False)  # the rows of a slot the pieces fill (0 unless low_rank)
     full_rank: int = field(init=False)  # the rank of the one piece that covers the whole layer; 0 where several,
     # or a slice: a slot of exactly this rank is filled by `write_factors`, every row of it
-    reads_weight: bool = field(init=False)  # a piece is DoRA, OFT or GLoRA: its ΔW reads the layer's weight
+    reads_weight: bool = field(init=False)  # a piece is DoRA, OFT, BOFT or GLoRA: its ΔW reads the layer's weight
     kron: bool = field(init=False)  # not low_rank, and every piece a LoKr applied as its two factors (`kron_delta`)
 
     def __post_init__(self):
@@ -240,7 +240,8 @@ class ModulePlan:
 
     def dense(self, base_weight: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
         """ΔW [out, in/groups, *k] in fp32 for strength 1, slices placed, computed on `device` (None: where the
-        factors are); None when no piece has a weight. `base_weight` is read by DoRA, OFT and GLoRA pieces only."""
+        factors are); None when no piece has a weight. `base_weight` is read by DoRA, OFT, BOFT and GLoRA pieces
+        only."""
         g = self.geometry
         total = None
         for p in self.pieces:
@@ -262,7 +263,7 @@ class ModulePlan:
 
     def bound(self, base_max: float | None = None) -> float | None:
         """A bound on |ΔW| entries from the factors' maxima, the pieces' bounds added up (`LayerPatch.bound`;
-        `base_max`: the base weight's largest |entry|, for DoRA, OFT and GLoRA); None where none is shown."""
+        `base_max`: the base weight's largest |entry|, for DoRA, OFT, BOFT and GLoRA); None where none is shown."""
         bounds = [p.patch.bound(base_max) for p in self.pieces]
         return None if None in bounds else sum(bounds)
 

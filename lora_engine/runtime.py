@@ -8,9 +8,10 @@ For a Linear layer f with input x:
 
 A Conv layer uses A as a kernel-shaped conv with the layer's stride, padding
 and dilation, and B as a 1×1 conv. Adapters that cannot run in low rank
-(DoRA, full diffs, grouped convs, LoHa and LoKr products without a small
-low-rank form) add s_i · f_ΔWi(x) per slot, except a LoKr on a Linear, which
-adds s_i · vec(W1 · X · W2ᵀ) per output slice, X the input read as [b, d]
+(DoRA, OFT, BOFT, a conv's GLoRA in LyCORIS's current layout, full diffs,
+grouped convs, LoHa and LoKr products without a small low-rank form) add
+s_i · f_ΔWi(x) per slot, except a LoKr on a Linear, which adds
+s_i · vec(W1 · X · W2ᵀ) per output slice, X the input read as [b, d]
 (`Kron`): kron(W1, W2) is never made.
 A norm layer (LayerNorm, RMSNorm, GroupNorm: y = n(x) · w + b) takes full diffs
 of its weight and bias as s_i · (n(x) · Δw_i + Δb_i), n(x) recomputed without

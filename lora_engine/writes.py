@@ -74,8 +74,9 @@ def write(bank: SlotBank, slot: int, b: Binding, staged: Staged) -> int:
 
 def _check_dense(bank: SlotBank, plan: ModulePlan) -> None:
     """Raise when a dense-path layer's ΔW would not be finite in the slots' dtype. A bound from the factors'
-    maxima (DoRA's, OFT's and GLoRA's with the base weight's) settles it for any usual file; past the bound, ΔW is
-    computed on the bank's device, checked and dropped. A LoKr applied as its factors (`plan.kron`) checks those."""
+    maxima (DoRA's, OFT's, BOFT's and GLoRA's with the base weight's) settles it for any usual file; past the
+    bound, ΔW is computed on the bank's device, checked and dropped. A LoKr applied as its factors (`plan.kron`)
+    checks those."""
     if plan.kron:
         if not plan.kron_delta(None, bank.dtype).finite():
             raise NonFiniteError(f"the Kronecker factors of layer {plan.name!r} are not finite in {bank.dtype}",
