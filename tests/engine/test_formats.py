@@ -191,6 +191,8 @@ CASES = [
     ("boft", lambda m: lf.oft_tensors(m, 22, butterfly=True), ref_oft, "dense"),
     ("boft-constrained-rescaled", lambda m: lf.oft_tensors(m, 23, constraint=0.02, rescale=True, butterfly=True),
      ref_oft, "dense"),
+    ("boft-dora", lambda m: lf.dora_tensors(m, 24, "output", lf.oft_tensors(m, 24, butterfly=True)),
+     lambda t, m: ref_dora(t, m, "output", ref_oft), "dense"),
     # GLoRA: the Linears run its rank-2r form; a 3×3 conv mixes its channels per kernel position, a dense ΔW there
     ("glora", lambda m: lf.glora_tensors(m, 17), lambda t, m: ref_glora(t, m, "current"), "mixed"),
     ("glora-tucker", lambda m: lf.glora_tensors(m, 18, "tucker"), lambda t, m: ref_glora(t, m, "tucker"), "mixed"),
