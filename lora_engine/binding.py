@@ -170,10 +170,12 @@ class ModulePlan:
 
         def products_overflow(p: Piece) -> bool:  # past the bounds, the products themselves decide
             w = p.patch.weight
-            if not isinstance(w, Glora):
-                return max(w.factor_bounds()) > limit and max(absmax(t) for t in w.factors()) > limit
-            base = self.piece_base(p, base_weight)
-            return max(w.factor_bounds(absmax(base))) > limit and max(absmax(t) for t in w.factors(None, base)) > limit
+            base = self.piece_base(p, base_weight) if isinstance(w, Glora) else None
+            bounds = w.factor_bounds(absmax(base)) if isinstance(w, Glora) else w.factor_bounds()
+            if max(bounds) <= limit:
+                return False
+            factors = w.factors(None, base) if isinstance(w, Glora) else w.factors()
+            return max(absmax(t) for t in _balanced(*factors, limit)) > limit
 
         for p in self.pieces:
             w = p.patch.weight
@@ -216,6 +218,7 @@ class ModulePlan:
             else:
                 down, up = w.factors(a.device, self.piece_base(p, base_weight)) if isinstance(w, Glora) else \
                     w.factors(a.device)
+                down, up = _balanced(down, up, _max(a.dtype))
                 up, r = p.order(up), down.shape[0]
             if down.shape[1:] != a.shape[1:]:
                 down = down.reshape(r, *a.shape[1:])
@@ -529,6 +532,21 @@ def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tens
 
 
 @functools.cache
+def _balanced(down: torch.Tensor, up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's factors (A [r, ...], B [out, r]), each row of A and column of B scaled by one power of two, exactly,
+    toward equal maxima, where either factor holds an entry past `limit`: B·A is unchanged, and a narrow slot dtype
+    holds such factors wherever it holds their products' terms (a GLoRA's W·A1 can pass fp16's range where
+    W·A1·A2 does not). Factors within `limit` are returned as they are."""
+    if max(absmax(down), absmax(up)) <= limit:
+        return down, up
+    a = down.reshape(down.shape[0], -1).abs().amax(dim=1).float()
+    b = up.abs().amax(dim=0).float()
+    usable = (a > 0) & (b > 0)
+    shift = torch.where(usable, torch.round((torch.log2(b) - torch.log2(a)) / 2), torch.zeros_like(a))
+    scale = torch.exp2(shift)
+    return down * scale.reshape(-1, *[1] * (down.dim() - 1)).to(down.dtype), up / scale.to(up.dtype)
+
+
 def _max(dtype: torch.dtype) -> float:
     """The largest magnitude a tensor of `dtype` can hold (a file may store factors as integers or bools)."""
     if dtype.is_floating_point:

@@ -136,7 +136,7 @@ def test_factors_that_overflow_the_model_dtype_are_refused(tmp_path):
     changes, naming the layer; the adapter that was active stays, and the model computes what it computed."""
     model, x = lf.tiny().half(), lf.tiny_input().half()
     good = load_adapter(lf.write(tmp_path, "good.safetensors", lf.lora_tensors(lf.tiny(), "kohya", 1)), pin=False)
-    t = {k: v * 1e6 if k.endswith("hada_w1_a") else v for k, v in lf.loha_tensors(lf.tiny(), 3).items()}
+    t = {k: v * 1e15 if k.endswith("hada_w1_a") else v for k, v in lf.loha_tensors(lf.tiny(), 3).items()}
     bad = load_adapter(lf.write(tmp_path, "bad.safetensors", t), pin=False)
     bank = SlotBank(model, max_loras=1)
     bank.activate([(good, 0.5)])
@@ -145,6 +145,32 @@ def test_factors_that_overflow_the_model_dtype_are_refused(tmp_path):
         bank.activate([(bad, 1.0)])
     assert e.value.path == bad.path and bank.slots == [good]
     assert torch.equal(run(model, x), before)
+
+
+# The same ΔW, one factor of each product scaled up by 2^20 and its partner down: W1a·W2a (B) and W·A1 pass fp16's
+# range, their products with W1b·W2b and A2 do not.
+SCALED = {"loha": (lambda m: lf.loha_tensors(m, 3), ("hada_w1_a", "hada_w1_b")),
+          "glora": (lambda m: lf.glora_tensors(m, 4), (".a1.weight", ".a2.weight"))}
+
+
+@pytest.mark.parametrize("layout", SCALED)
+def test_factors_past_the_dtype_whose_products_fit_are_applied(tmp_path, layout):
+    """Each rank's row of A and column of B are scaled by a power of two toward equal maxima where a factor passes
+    the slots' range: the layer computes the file's ΔW, as the same file with unscaled factors does."""
+    make, (up, down) = SCALED[layout]
+    x = lf.tiny_input().half()
+    t = make(lf.tiny())
+    scaled = {k: v * 2.0**20 if k.endswith(up) else v / 2.0**20 if k.endswith(down) else v for k, v in t.items()}
+    outputs = []
+    for name, tensors in (("plain", t), ("scaled", scaled)):
+        model = lf.tiny().half()
+        bank = SlotBank(model, max_loras=1)
+        bank.activate([(load_adapter(lf.write(tmp_path, f"{name}.safetensors", tensors), pin=False), 0.7)])
+        # low-rank on every layer (a GLoRA's convs mix their channels per kernel position: the dense path)
+        assert not any(layer.dense for name, layer in bank.layers.items() if layout == "loha" or "conv" not in name)
+        outputs.append(run(model, x))
+    assert torch.isfinite(outputs[1]).all()
+    assert (outputs[1].float() - outputs[0].float()).abs().max() <= 1e-2 * outputs[0].float().abs().max()
 
 
 def test_a_bound_past_the_dtype_with_finite_factors_is_kept(tmp_path):
