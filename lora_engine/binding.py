@@ -133,12 +133,16 @@ class ModulePlan:
 
     def kron_delta(self, device: torch.device | None, dtype: torch.dtype) -> Kron:
         """The layer's LoKr pieces as `runtime.Kron`, each half computed in fp32 (the scale in W1) and rounded once
-        into `dtype`, on `device`."""
+        into `dtype`, on `device`; where one half passes the dtype's range and their product does not, the two are
+        scaled by a power of two toward equal maxima (`_balanced`), which leaves kron(W1, W2) exact."""
         pieces = []
         for p in self.pieces:
             if p.patch.weight is None:
                 continue
             w1, w2 = p.patch.weight.halves(device)
+            balanced = _balanced(w2.reshape(1, -1), w1.reshape(-1, 1), _max(dtype))  # one scale for each half
+            if balanced is not None:
+                w1, w2 = balanced[1].reshape(w1.shape), balanced[0].reshape(w2.shape)
             start, size = p.out_slice or (0, self.geometry.out_features)
             pieces.append((w1.to(dtype), w2.to(dtype), start, size))
         return Kron(tuple(pieces))
@@ -175,7 +179,7 @@ class ModulePlan:
             if max(bounds) <= limit:
                 return False
             factors = w.factors(None, base) if isinstance(w, Glora) else w.factors()
-            return max(absmax(t) for t in _balanced(*factors, limit)) > limit
+            return _balanced(*factors, limit) is None
 
         for p in self.pieces:
             w = p.patch.weight
@@ -218,7 +222,7 @@ class ModulePlan:
             else:
                 down, up = w.factors(a.device, self.piece_base(p, base_weight)) if isinstance(w, Glora) else \
                     w.factors(a.device)
-                down, up = _balanced(down, up, _max(a.dtype))
+                down, up = _balanced(down, up, _max(a.dtype)) or (down, up)  # checked at staging
                 up, r = p.order(up), down.shape[0]
             if down.shape[1:] != a.shape[1:]:
                 down = down.reshape(r, *a.shape[1:])
@@ -531,22 +535,24 @@ def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tens
     return (a.shape[1], b.shape[1], *t.shape[2:])
 
 
-@functools.cache
-def _balanced(down: torch.Tensor, up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A product's factors (A [r, ...], B [out, r]), each row of A and column of B scaled by one power of two, exactly,
-    toward equal maxima, where either factor holds an entry past `limit`: B·A is unchanged, and a narrow slot dtype
-    holds such factors wherever it holds their products' terms (a GLoRA's W·A1 can pass fp16's range where
-    W·A1·A2 does not). Factors within `limit` are returned as they are."""
+def _balanced(down: torch.Tensor, up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A product's factors (A [r, ...], B [out, r]) as they are where both lie within `limit`; else each row of A and
+    column of B scaled by one power of two, exactly, toward equal maxima, which leaves B·A as it was: a narrow slot
+    dtype then holds factors whose product it holds (a GLoRA's W·A1 can pass fp16's range where W·A1·A2 does
+    not). None where the product's entries may pass `limit` too (Σ_j max|B_j|·max|A_j| beyond it)."""
     if max(absmax(down), absmax(up)) <= limit:
         return down, up
     a = down.reshape(down.shape[0], -1).abs().amax(dim=1).float()
     b = up.abs().amax(dim=0).float()
+    if not float((a.double() * b.double()).sum()) <= limit:
+        return None
     usable = (a > 0) & (b > 0)
     shift = torch.where(usable, torch.round((torch.log2(b) - torch.log2(a)) / 2), torch.zeros_like(a))
     scale = torch.exp2(shift)
     return down * scale.reshape(-1, *[1] * (down.dim() - 1)).to(down.dtype), up / scale.to(up.dtype)
 
 
+@functools.cache
 def _max(dtype: torch.dtype) -> float:
     """The largest magnitude a tensor of `dtype` can hold (a file may store factors as integers or bools)."""
     if dtype.is_floating_point:

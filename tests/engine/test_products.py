@@ -274,3 +274,24 @@ def test_kronecker_factors_that_overflow_the_model_dtype_are_refused(tmp_path):
     with pytest.raises(NonFiniteError, match=r"the Kronecker factors of layer 'out' are not finite in torch.float16"):
         bank.activate([(bad, 1.0)])
     assert bank.slots == [None] and not bank.layers
+
+
+def test_kronecker_halves_past_the_dtype_whose_product_fits_are_applied(tmp_path):
+    """W1 × 2²⁰ and W2 / 2²⁰ pass fp16's range one by one while kron(W1, W2) does not: the two halves are scaled
+    by one power of two toward equal maxima, and the layer computes the same output as the unscaled file."""
+    from lora_engine import KeyMap
+    g = torch.Generator().manual_seed(7)
+    plain = {f"out.{k}": v for k, v in kron_lokr(g, 4, 4, 24, 16).items()}
+    scaled = {k: v * 2.0**20 if k.endswith("w1") else v / 2.0**20 for k, v in plain.items()}
+    assert scaled["out.lokr_w1"].abs().max() > torch.finfo(torch.float16).max
+    x = torch.randn(3, 5, 64, generator=g).half()
+    outputs = []
+    for name, tensors in (("plain", plain), ("scaled", scaled)):
+        model = Projections().half()
+        bank = SlotBank(model, max_loras=1, keymap=KeyMap(model, {"out": "out.weight"}, defaults=False))
+        bank.activate([(load_adapter(lf.write(tmp_path, f"{name}.safetensors", tensors), pin=False), 0.7)])
+        assert isinstance(bank.layers["out"].dense[0], Kron)
+        outputs.append(run(model, x)[1].float())
+    assert torch.isfinite(outputs[1]).all()
+    assert (outputs[1] - outputs[0]).abs().max() <= 1e-2 * outputs[0].abs().max()
+    assert (outputs[0] - run(Projections().half(), x)[1].float()).abs().max() > 1e-1
