@@ -3,7 +3,9 @@
 It is keyed by file identity (real path, size, mtime_ns, inode, ctime_ns), so an
 edited or replaced file is re-read and never served stale. It is bounded by a count and a byte budget,
 and safe to read from another thread (ComfyUI's server thread polls its stats
-while the prompt worker loads).
+while the prompt worker loads). An adapter it has evicted while a model's slots or a stack still hold it is
+served again, not read again: one file is one `Adapter` for as long as any of it lives, so that a stack naming
+it twice, a grid and a conditioning's strengths all see one LoRA, and its bytes are held once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -44,6 +47,7 @@ class AdapterCache:
     def __init__(self, max_items: int = DEFAULT_MAX_ITEMS, max_bytes: int = DEFAULT_MAX_BYTES):
         self._lock = threading.RLock()
         self._items: OrderedDict[tuple, Adapter] = OrderedDict()
+        self._alive: weakref.WeakValueDictionary[tuple, Adapter] = weakref.WeakValueDictionary()  # kept or in use
         self._bytes = 0
         self.max_items = max_items
         self.max_bytes = max_bytes
@@ -59,7 +63,8 @@ class AdapterCache:
 
     def load(self, path: str, *, name: str | None = None, convert: Converter | None = None,
              convert_id: str = "") -> Adapter:
-        """The parsed adapter for `path`, read from disk only on a miss."""
+        """The parsed adapter for `path`, read from disk only on a miss: one that was evicted while something still
+        holds it is taken back into the cache instead (a hit)."""
         key = (FileIdentity.of(path), convert_id)
         with self._lock:
             hit = self._items.get(key)
@@ -67,16 +72,28 @@ class AdapterCache:
                 self._items.move_to_end(key)
                 self.hits += 1
                 return hit
+            held = self._alive.get(key)
+            if held is not None:
+                self.hits += 1
+                self._keep(key, held)
+                return held
             self.misses += 1
         adapter = load_adapter(path, name=name, convert=convert)
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            self._items[key] = adapter
-            self._bytes += adapter.nbytes
-            self._evict(keep=key)
+            held = self._alive.get(key)  # another thread read the same file meanwhile: serve one of the two
+            if held is not None:
+                adapter = held
+            self._alive[key] = adapter
+            self._keep(key, adapter)
         return adapter
+
+    def _keep(self, key: tuple, adapter: Adapter) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._items[key] = adapter
+        self._bytes += adapter.nbytes
+        self._evict(keep=key)
 
     def _evict(self, keep: tuple | None = None) -> None:
         for key in list(self._items):
@@ -107,8 +124,10 @@ class AdapterCache:
             return {**self.stats().as_dict(), "entries": self.entries()}
 
     def clear(self) -> None:
+        """Forget every adapter: the next load of any file reads it again, even one that is still in use."""
         with self._lock:
             self._items.clear()
+            self._alive.clear()
             self._bytes = 0
 
 

@@ -170,3 +170,25 @@ def test_default_cache_budget_from_the_environment(monkeypatch, items, nbytes, w
     monkeypatch.setattr(cache_mod, "_default", None)  # as in a fresh process; restored afterwards
     s = default_cache().stats()
     assert (s.max_items, s.max_bytes) == want
+
+
+def test_an_evicted_adapter_still_in_use_is_served_again_not_read_again(files):
+    """One file is one Adapter while any holder keeps it: a stack naming it again after the LRU dropped it (or after
+    a file larger than the budget was served and not kept) gets the same object, so that the engine's rules for a
+    LoRA listed twice see one LoRA, and its bytes are held once. Once nothing holds it, it is read again."""
+    cache = AdapterCache(max_items=1)
+    held = cache.load(files[0])
+    cache.load(files[1])  # evicts files[0]
+    assert cache.stats().evictions == 1
+    assert cache.load(files[0]) is held
+    s = cache.stats()
+    assert (s.hits, s.misses, s.items) == (1, 2, 1) and cache.entries()[0]["path"] == held.path
+    fingerprint = held.fingerprint
+    del held
+    cache.load(files[1])  # evicts files[0] again, which nothing holds now
+    again = cache.load(files[0])
+    assert again.fingerprint == fingerprint and cache.stats().misses == 4
+
+    big = AdapterCache(max_bytes=10)
+    first = big.load(files[2])
+    assert big.stats().items == 0 and big.load(files[2]) is first
