@@ -30,6 +30,7 @@ from torch import nn
 
 from . import runtime
 from .binding import Geometry, ModulePlan
+from .errors import ShapingError
 
 if TYPE_CHECKING:
     from .slots import SlotBank
@@ -91,9 +92,15 @@ class LayerSlots:
         compiling = torch.compiler.is_compiling()
         # Under torch.compile the layer is skipped only when it has no buffers at all (see `_compiled`).
         skip = (self.a is None and self.stacked is NOTHING_STACKED) if compiling else (bank.all_zero or self.idle)
-        if not bank.active or skip:
+        if not bank.active:
+            if bank.release_when_idle is not None and not compiling:
+                bank.release_when_idle()  # the model runs without the stack that no one carries any more
+            return None
+        if skip:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
+        if bank.scale.dim() == 2 and bank.call_rows is not None and x.shape[0] != bank.call_rows:
+            self._mixed_items(bank, x.shape[0])
         if x.device != bank.device:
             bank.to(x.device)
         if compiling:
@@ -107,6 +114,16 @@ class LayerSlots:
         if rows is None:
             return runtime.apply(self, module, x, out, scale, dead=self.dead)
         return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
+
+    def _mixed_items(self, bank: SlotBank, rows: int) -> None:
+        """Per-item strengths are taken row by row from an input's first axis, which a layer such as a mixture of
+        experts' (HiDream's, which routes tokens flattened over the batch) or a pooler that puts the sequence first
+        does not lay out by item: refused, where strengths would otherwise go to other items' tokens."""
+        raise ShapingError(f"layer {self.name!r} of {bank.model_name} takes an input of {rows} rows in a model call "
+                           f"of {bank.call_rows} items: it mixes the items of the batch, so per-item LoRA strengths "
+                           "(a LoRAStrengthGrid, a conditioning's strengths) cannot reach it",
+                           remedy="give this layer a block weight of 0 in the LoRAs that reach it, or use one "
+                                  "strength for every item")
 
     def _compiled(self, module, x, out):
         """The hook's work under torch.compile: every slot, from the fixed buffers, whatever the strengths and

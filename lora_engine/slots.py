@@ -25,7 +25,7 @@ import math
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +120,13 @@ class SlotBank:
         self._weights_key: tuple | None = None  # the layer weights (and batch) the layers' factors were set for
         self.all_zero = True
         self.active = False
+        # The batch of the model call under way, where the host says it (None: unknown): a layer whose input has
+        # other rows than that mixes the call's items, and per-item strengths are refused there (`LayerSlots`).
+        self.call_rows: int | None = None
+        # A host's release for a bank that no stack will use again: called by the first forward that runs while the
+        # bank is inactive (the model sampled without a stack), never while a stack is active; cleared by an
+        # activation.
+        self.release_when_idle: Callable[[], None] | None = None
         self.lock = threading.RLock()
         self.copies = 0
         self.bytes_copied = 0
@@ -273,6 +280,7 @@ class SlotBank:
                                  for j in range(len(wanted))}, batch=batch)
             self._requested = {slot_of[j]: e.strength for j, e in enumerate(merged.values())}
             self.active = True
+            self.release_when_idle = None
             self._prune_bindings()
             self.copies += len(copied)
             self.bytes_copied += nbytes
@@ -379,6 +387,7 @@ class SlotBank:
             self._bindings.clear()
             self._live_key = self._weights_key = None
             self.active = False
+            self.release_when_idle = None
             with _BANKS_LOCK:
                 _BANKS.discard(self)
             root = self.root

@@ -21,6 +21,7 @@ import re
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -357,11 +358,15 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         self.merges = merges  # merge patches the model held when the stack was put on it
         self.root = root
         self.warned = False
+        self.failed = weakref.WeakSet()  # patchers whose load failed, which ComfyUI injects again (`unloaded`)
 
     def _root(self, patcher):
         return self.root if self.root is not None else patcher.model
 
     def inject(self, patcher):
+        if patcher in self.failed:  # ComfyUI's re-injection of a model whose load failed: nothing runs it
+            self.failed.discard(patcher)
+            return
         if not self.warned and merge_patches(patcher) > self.merges:
             self.warned = True
             log.warning(MERGE_WARNING)
@@ -369,8 +374,11 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
 
     def activate(self, patcher):
         """The stack active in the bank of the model `patcher` runs (made on its load device on first use)."""
-        bank = _bank(patcher, self._root(patcher), self.stack.kind, self.stack.slots)
+        root = self._root(patcher)
+        _use(root, self)
+        bank = _bank(patcher, root, self.stack.kind, self.stack.slots)
         bank.activate(self.stack.entries)
+        bank.__dict__[ACTIVATED_BY] = weakref.ref(patcher)
         if TORCH_COMPILE_KWARGS in patcher.model_options:
             recompile_for_new_hooks(bank)
 
@@ -380,8 +388,14 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         return bank is not None and bank.active
 
     def deactivate(self, patcher):
+        """Deactivate the bank where `patcher` activated its stack last: a clone that ComfyUI never loaded but that
+        copied a loaded one's injected state (`ModelPatcher.clone`) ejects on its way out, and must not take the
+        stack away from the model ComfyUI still holds loaded."""
         bank = SlotBank.attached(self._root(patcher))
-        if bank is not None:
+        if bank is None:
+            return
+        by = bank.__dict__.get(ACTIVATED_BY)
+        if by is None or by() in (None, patcher):
             bank.deactivate()
 
     def eject(self, patcher):
@@ -391,9 +405,54 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         """An ON_DETACH callback. A detach that unpatches the model is ComfyUI unloading it (its memory manager
         making room, "Unload models", `POST /free`); the stack's slots go with it, where they held device memory
         that ComfyUI cannot free. A detach that keeps the patches is a switch to another clone of the same model
-        (a moved slider): the slots stay warm for it."""
+        (a moved slider): the slots stay warm for it. A detach inside ComfyUI's load (`partially_load`, which
+        skips injections until it ends) is a load that failed (a CUDA out-of-memory): ComfyUI injects the model
+        again as the load ends, though it holds the model unloaded and the error ends the run; that injection
+        activates nothing, so that the model without the stack (the base model's next sampling) runs without it."""
+        if getattr(patcher, "skip_injection", False):
+            self.failed.add(patcher)
+            self.deactivate(patcher)
         if unpatch_all:
             release_slots(self._root(patcher), "ComfyUI unloaded the model")
+
+
+ACTIVATED_BY = "_multilora_activated_by"  # on a bank: a weak reference to the patcher that activated it last
+USERS = "_multilora_stacks"  # on a model's root module: the ids of the live injections that run on it
+
+
+def _use(root, injection: StackInjection) -> None:
+    """Count `injection` among the stacks that run on `root` until it is freed (ComfyUI drops the last clone that
+    carries it); counted from when the loader makes it, so that a new clone's stack (a moved slider) keeps the
+    bank warm while the clone it replaces is dropped."""
+    users = root.__dict__.setdefault(USERS, set())
+    if id(injection) not in users:
+        users.add(id(injection))
+        weakref.finalize(injection, _dropped, weakref.ref(root), id(injection)).atexit = False
+    bank = SlotBank.attached(root)
+    if bank is not None:
+        bank.release_when_idle = None
+
+
+def _dropped(root_ref, user: int) -> None:
+    """A stack's last clone is gone: the loader removed from the graph, or its output about to be replaced (ComfyUI
+    drops a changed node's output as the next prompt starts, before the node runs again). Where no other stack
+    runs on the model, its bank is released at the model's next forward without a stack (`release_when_idle`):
+    the base model sampled on, rather than the slots staying on the device, unseen by ComfyUI's memory manager. A
+    loader that runs again first (a moved slider) finds the bank warm."""
+    root = root_ref()
+    if root is None:
+        return
+    users = root.__dict__.get(USERS, set())
+    users.discard(user)
+    bank = SlotBank.attached(root)
+    if not users and bank is not None:
+        bank.release_when_idle = lambda: _release_idle(root_ref)
+
+
+def _release_idle(root_ref) -> None:
+    root = root_ref()
+    if root is not None:
+        release_slots(root, "its model runs without a stack, and no model carries one any more")
 
 
 TORCH_COMPILE_KWARGS = "torch_compile_kwargs"  # where TorchCompileModel (set_torch_compile_wrapper) leaves its options
@@ -491,19 +550,71 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
     injection = StackInjection(Stack(tuple(merged), slots, kind), merges, root)
+    _use(root if root is not None else clone.model, injection)
     clone.set_injections(INJECTION_KEY, [injection])
     detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
     clone.remove_callbacks_with_key(detach, WRAPPER_KEY)
     clone.add_callback_with_key(detach, WRAPPER_KEY, injection.unloaded)
     if kind == "unet":
         wrappers = comfy.patcher_extension.WrappersMP
-        for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING):
+        for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING, wrappers.SAMPLER_SAMPLE):
             clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)
         items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
         clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
         clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling())
+        if items:
+            clone.add_wrapper_with_key(wrappers.SAMPLER_SAMPLE, WRAPPER_KEY, cell_noise)
     return clone
+
+
+def cell_noise(executor, guider, sigmas, extra_args, callback, noise, *args, **kwargs):
+    """A SAMPLER_SAMPLE wrapper on a LoRAStrengthGrid model: the noise that an ancestral or SDE sampler adds at each
+    step is drawn for one item and given to every cell, as a batch-1 run with the same seed draws it; drawn for the
+    whole batch, each cell would get other noise, and cells of equal strengths would differ. Applies to ComfyUI's
+    k-diffusion samplers that take a `noise_sampler` (their default one, or a Brownian tree for the SDE ones);
+    a sampler given a noise sampler of its own, or none of these, samples as it would."""
+    sampler = executor.class_obj
+    shared = _one_item_noise(sampler, sigmas, extra_args.get("seed"), noise)
+    if shared is None:
+        return executor(guider, sigmas, extra_args, callback, noise, *args, **kwargs)
+    options = sampler.extra_options
+    sampler.extra_options = {**options, "noise_sampler": shared}  # ComfyUI runs one sampling at a time
+    try:
+        return executor(guider, sigmas, extra_args, callback, noise, *args, **kwargs)
+    finally:
+        sampler.extra_options = options
+
+
+def _one_item_noise(sampler, sigmas, seed, noise):
+    """A noise sampler that draws what `sampler`'s own would draw for a batch of one and repeats it over `noise`'s
+    batch; None where the sampler takes none, has one set, or makes one that is not ComfyUI's default or Brownian
+    tree (found by the names its function uses)."""
+    import comfy.k_diffusion.sampling as k
+
+    function, options = getattr(sampler, "sampler_function", None), getattr(sampler, "extra_options", None)
+    if function is None or not isinstance(options, dict) or options.get("noise_sampler") is not None:
+        return None
+    try:
+        if "noise_sampler" not in inspect.signature(function).parameters:
+            return None
+    except (TypeError, ValueError):
+        return None
+    code = getattr(inspect.unwrap(getattr(function, "func", function)), "__code__", None)
+    names = code.co_names if code is not None else ()
+    one = noise[:1]
+    if "BrownianTreeNoiseSampler" in names:
+        positive = sigmas[sigmas > 0]
+        if positive.numel() == 0:
+            return None
+        gpu = getattr(getattr(function, "func", function), "__name__", "").endswith("_gpu")
+        draw = k.BrownianTreeNoiseSampler(one, positive.min(), sigmas.max(), seed=seed, cpu=not gpu)
+    elif "default_noise_sampler" in names:
+        draw = k.default_noise_sampler(one, seed=seed)
+    else:
+        return None
+    batch = noise.shape[0]
+    return lambda sigma, sigma_next: draw(sigma, sigma_next).repeat(batch, *[1] * (noise.dim() - 1))
 
 
 class ModelCallWrapper:
@@ -512,7 +623,9 @@ class ModelCallWrapper:
     them, the stack's own), taking their keyword out of the call. With a schedule, it sets the sampling progress
     from the call's sigma. With per-item strengths (a LoRAStrengthGrid batch of `items` cells), it checks that
     each condition's chunk of the call's batch has that many items: a latent of another batch would otherwise
-    spread the cells over the cond and uncond chunks instead, and sample wrong images without an error."""
+    spread the cells over the cond and uncond chunks instead, and sample wrong images without an error. The call's
+    batch is told to the bank for the call's duration (`SlotBank.call_rows`): a layer whose input has other rows
+    (HiDream's routed experts) then refuses per-item strengths instead of giving them to other items' tokens."""
 
     def __init__(self, scheduled: bool = True, items: int = 0):
         self.scheduled = scheduled
@@ -536,7 +649,12 @@ class ModelCallWrapper:
                 bank.set_items(None)
             if self.scheduled:
                 bank.set_progress(sampling_progress(root, t, transformer_options))
-        return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+            bank.call_rows = x.shape[0]  # per-item strengths reach only layers whose input has these rows
+        try:
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        finally:
+            if bank is not None:
+                bank.call_rows = None
 
 
 class PrepareSampling:
@@ -702,7 +820,8 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
         if on_clip is not None:
             clip_entries.append(Entry(adapter, _strength(sc) * base))
-    merge(model_entries)  # the engine's rules for a repeated LoRA, checked here rather than when sampling starts
+    prior = current_stack(model)  # a loader before this one: its entries and these form one stack
+    merge((list(prior.entries) if prior else []) + model_entries)  # the engine's rules for a repeated LoRA, here
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet")

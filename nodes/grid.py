@@ -30,7 +30,8 @@ class LoRAStrengthGrid:
                    "(by file name, name without extension, or position like #2) and a list of model strengths "
                    "('0, 0.5, 1', '0:1:0.25' or '0..1/5'), of block weights ('blocks: ALL | IN | OUT') or of "
                    "schedules ('schedule: 0:1 | 0:1, 1:0'). Every cell starts from the same noise as a batch-1 run "
-                   "with the same seed. Connect the outputs to KSampler, then VAEDecode, then LoRAGridImage. "
+                   "with the same seed, and an ancestral or SDE sampler adds the same noise to every cell at each "
+                   "step. Connect the outputs to KSampler, then VAEDecode, then LoRAGridImage. "
                    "Per-item CLIP strengths are not applied: the text encoder gets each entry's strength_clip, "
                    "times the BASE of the entry's own block weights (not those of an axis).")
     CATEGORY = CATEGORY

@@ -150,6 +150,52 @@ def test_per_item_strengths_tile_over_stacked_chunks(adapters):
     assert (stacked[1] - solo([(a, 0.9)], x[1:2])[0]).abs().max() <= TOL
 
 
+class Routed(torch.nn.Module):
+    """A block whose `ff` Linear sees the tokens flattened over the batch, [B·L, C], as a mixture of experts'
+    routed layers do (HiDream's `x.view(-1, C)`): its rows are tokens, not items."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.ff = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        return self.ff(self.proj(x).reshape(-1, c)).reshape(b, n, c)
+
+
+def test_per_item_strengths_on_a_layer_that_mixes_the_items_are_refused(tmp_path):
+    """Where the host gives the call's batch (`call_rows`), a layer whose input has other rows refuses per-item
+    strengths, naming itself; before, 2 items of 3 tokens gave the tokens of both items the strengths [0, 1, 0] and
+    [1, 0, 1]. One strength for all items, or a weight of 0 on that layer, runs as before."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for n in ("proj", "ff"):
+        tensors[f"lora_unet_{n}.lora_down.weight"] = torch.randn(2, 8, generator=g)
+        tensors[f"lora_unet_{n}.lora_up.weight"] = torch.randn(8, 2, generator=g)
+    adapter = load_adapter(lf.write(tmp_path, "routed.safetensors", tensors), pin=False)
+    model, x = Routed(), torch.randn(2, 3, 8, generator=g)
+    bank = SlotBank(model, max_loras=1)
+    bank.activate([(adapter, [0.0, 1.0])])
+    bank.call_rows = 2
+    with pytest.raises(ShapingError, match=r"layer 'ff' of Routed takes an input of 6 rows in a model call of 2 "
+                                           r"items: it mixes the items"):
+        run(model, x)
+    bank.call_rows = 4  # cond and uncond stacked: the chunk layout is the host's to give
+    with pytest.raises(ShapingError, match="12 rows in a model call of 4 items"):
+        run(model, torch.cat([x, x]))
+    bank.activate([Entry(adapter, [0.0, 1.0], layer_weights={"ff": 0.0})])
+    bank.call_rows = 2
+    weighted = run(model, x)
+    bank.activate([(adapter, 1.0)])
+    shared = run(model, x)
+    bank.call_rows = None
+    bank.activate([Entry(adapter, 1.0, layer_weights={"ff": 0.0})])
+    assert (weighted[1] - run(model, x[1:])[0]).abs().max() <= TOL
+    bank.deactivate()
+    assert (shared - run(model, x)).abs().max() > 1e-2
+
+
 def test_set_items_gives_each_item_its_strengths_until_reset(adapters):
     """`set_items` (a conditioning's strengths, one call at a time): the adapters it names take per-item strengths,
     None an item's activation strength, the others their activation strengths; None restores them all."""
@@ -928,3 +974,25 @@ def test_layer_weights_edited_in_place_and_activated_again_take_effect(adapters)
     ref = lf.tiny()
     SlotBank(ref, max_loras=1).activate([Entry(a, 1.0, layer_weights={"head": 0.0})])
     assert (run(model, x) - run(ref, x)).abs().max() <= TOL
+
+
+def test_release_when_idle_runs_at_the_first_forward_without_the_stack(adapters):
+    """A host's release for a bank no stack will use again is called by the first forward while the bank is
+    inactive, never while a stack is active, and an activation cancels it."""
+    x = lf.tiny_input()
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=1)
+    bank.activate([(adapters[0], 1.0)])
+    released = []
+    bank.release_when_idle = lambda: (released.append(True), bank.release())
+    with_stack = run(model, x)
+    assert not released and (with_stack - solo([(adapters[0], 1.0)], x)).abs().max() <= TOL
+    bank.deactivate()
+    bank.activate([(adapters[0], 0.5)])
+    bank.deactivate()
+    run(model, x)
+    assert not released  # the activation cancelled it
+    bank.release_when_idle = lambda: (released.append(True), bank.release())
+    base = run(model, x)
+    assert released == [True] and not bank.layers and not any(m._forward_hooks for m in model.modules())
+    assert (base - solo([], x)).abs().max() == 0

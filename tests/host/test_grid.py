@@ -87,6 +87,24 @@ def test_every_cell_equals_its_batch_1_run(server, grid_prompt, grid_run, batchi
     assert grid_image.shape[0] > 3 * 64 and grid_image.shape[1] > 3 * 64
 
 
+@pytest.mark.parametrize("sampler", ["euler_ancestral", "dpmpp_2m_sde", "dpmpp_sde_gpu"])
+def test_cells_of_an_ancestral_or_sde_sampler_equal_their_batch_1_runs(server, grid_prompt, batching_floor, sampler):
+    """These samplers add noise at every step: the grid draws it for one item and gives it to every cell, as a
+    batch-1 run with the same seed draws it. Drawn for the batch, cells of equal strengths differed (the two
+    strength-0 cells here) and no cell past the first matched its batch-1 run."""
+    p = copy.deepcopy(grid_prompt)
+    p["5"]["inputs"].update(x_values="0, 1, 0", y_entry="", y_values="")
+    p["8"]["inputs"].update(sampler_name=sampler, steps=3)
+    cells = server.run(p)[1:]
+    assert len(cells) == 3
+    tol = 3 * batching_floor
+    for cell, sx in zip(cells, (0.0, 1.0, 0.0)):
+        ref = cell_reference(p, sx, p["3"]["inputs"]["strength_model"])  # no y axis: the entry's own strength
+        assert mad(cell, server.run(ref)[0]) <= tol, sx
+    assert mad(cells[0], cells[2]) <= tol
+    assert mad(cells[0], cells[1]) > 10 * max(tol, 0.1)
+
+
 def test_split_batches_give_the_same_grid(server, grid_prompt, grid_run, batching_floor):
     split = copy.deepcopy(grid_prompt)
     split["5"]["inputs"]["max_batch"] = 4  # 9 cells: batches of 4, 4 and 1
