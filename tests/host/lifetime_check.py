@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.host.sampling_check import arguments, emit  # noqa: E402
+from tests.host.sampling_check import run_check  # noqa: E402
 
 
 def run(comfy, bridge, comfy_root: Path) -> dict:
@@ -65,13 +65,7 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
 
 
 def main() -> int:
-    args = arguments(__doc__)
-    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
-    root = find_comfy(args.comfy)
-    comfy = import_comfy(root, "cpu")
-    import torch
-    torch.set_num_threads(1)
-    return emit(run(comfy, import_bridge(), root), args.out)
+    return run_check(__doc__, run)
 
 
 if __name__ == "__main__":

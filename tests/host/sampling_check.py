@@ -380,6 +380,18 @@ def main() -> int:
     return emit(result, args.out)
 
 
+def run_check(doc: str, run) -> int:
+    """The main of an in-process check whose `run(comfy, bridge, comfy_root)` needs only ComfyUI on the CPU, one
+    thread, and the pack's bridge: parses the command line, runs it and emits its result."""
+    args = arguments(doc)
+    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
+    root = find_comfy(args.comfy)
+    comfy = import_comfy(root, "cpu")
+    import torch
+    torch.set_num_threads(1)
+    return emit(run(comfy, import_bridge(), root), args.out)
+
+
 def emit(result: dict, out: str | None) -> int:
     """Print the result as one JSON line, and write it to `out` when given; the script's exit status."""
     print(json.dumps(result), flush=True)
