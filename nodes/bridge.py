@@ -546,6 +546,7 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     before = _injection(patcher)
     prior = before.stack if before is not None else None
     merged = list(prior.entries) + entries if prior else entries
+    merge(merged)  # the engine's rules for a LoRA listed twice, over chained loaders too: raised here, not at sampling
     slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
@@ -600,14 +601,14 @@ def _one_item_noise(sampler, sigmas, seed, noise):
             return None
     except (TypeError, ValueError):
         return None
-    code = getattr(inspect.unwrap(getattr(function, "func", function)), "__code__", None)
-    names = code.co_names if code is not None else ()
+    plain = inspect.unwrap(getattr(function, "func", function))  # a functools.partial's function
+    names = plain.__code__.co_names if hasattr(plain, "__code__") else ()
     one = noise[:1]
     if "BrownianTreeNoiseSampler" in names:
         positive = sigmas[sigmas > 0]
         if positive.numel() == 0:
             return None
-        gpu = getattr(getattr(function, "func", function), "__name__", "").endswith("_gpu")
+        gpu = getattr(plain, "__name__", "").endswith("_gpu")
         draw = k.BrownianTreeNoiseSampler(one, positive.min(), sigmas.max(), seed=seed, cpu=not gpu)
     elif "default_noise_sampler" in names:
         draw = k.default_noise_sampler(one, seed=seed)
@@ -820,8 +821,6 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
         if on_clip is not None:
             clip_entries.append(Entry(adapter, _strength(sc) * base))
-    prior = current_stack(model)  # a loader before this one: its entries and these form one stack
-    merge((list(prior.entries) if prior else []) + model_entries)  # the engine's rules for a repeated LoRA, here
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet")
