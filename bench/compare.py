@@ -14,7 +14,7 @@ are on a GPU, not by streaming the weights); --full builds Flux-dev's 19 double 
 rank-32 LoRAs with kohya keys from comfy.lora.model_lora_keys_unet on that model (every Linear of
 every block), it measures:
 
-  ours    lora_engine.SlotBank with ComfyUI's key map (as nodes/bridge.py builds it):
+  ours    lora_engine.SlotBank with ComfyUI's key map (as nodes/bridge/ builds it):
           step      a forward of the diffusion model with the bank active
           strength  bank.set_strength (the engine's cost of a slider move)
           strength† the same move the way ComfyUI runs it: MultiLoRALoader's apply_stack (new clone)
@@ -270,7 +270,7 @@ def main() -> int:
     cache = AdapterCache(max_items=2 * max(ks) + 1, max_bytes=1 << 40)
     adapters = [cache.load(p, name=os.path.basename(p), convert=comfy.lora_convert.convert_lora,
                            convert_id="comfy") for p in lora_paths]
-    keymap = KeyMap(root, comfy.lora.model_lora_keys_unet(root, {}), defaults=False)  # as nodes/bridge.py builds it
+    keymap = KeyMap(root, comfy.lora.model_lora_keys_unet(root, {}), defaults=False)  # as the bridge builds it
     bridge = import_bridge() if "ours" in paths else None
 
     def reset():

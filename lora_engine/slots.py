@@ -133,7 +133,7 @@ class SlotBank:
         self.reallocations = 0
         # Forward hooks made so far, one per layer that first gets a slot. torch.compile does not guard on hooks: a
         # graph traced before a hook was made runs without it, so a host that compiles the model recompiles when
-        # this grows (nodes/bridge.py resets torch.compile's caches).
+        # this grows (the bridge in nodes/bridge/ resets torch.compile's caches).
         self.hooks_made = 0
         root.__dict__.setdefault(self.OWNED, []).append(self)  # the root owns its banks (`root`)
         with _BANKS_LOCK:

@@ -86,9 +86,9 @@ PACKAGE = "multilora_nodes"
 
 
 def import_bridge():
-    """nodes/bridge.py as `multilora_nodes.bridge`: ComfyUI's own `nodes` module takes the name `nodes`. The
-    package is the nodes/ folder without its __init__.py (which would import every node module), so that the
-    bridge's relative imports, and `import_node_module`, find the pack's other modules there."""
+    """The bridge package, nodes/bridge/, as `multilora_nodes.bridge`: ComfyUI's own `nodes` module takes the name
+    `nodes`. The package is the nodes/ folder without its __init__.py (which would import every node module), so
+    that the bridge's relative imports, and `import_node_module`, find the pack's other modules there."""
     if PACKAGE not in sys.modules:
         package = types.ModuleType(PACKAGE)
         package.__path__ = [str(ROOT / "nodes")]

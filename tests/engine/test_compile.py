@@ -153,7 +153,7 @@ def test_a_lokr_applied_as_its_factors_compiles_as_a_dense_delta_does(tmp_path):
 def test_a_graph_traced_before_a_layer_got_its_hook_runs_until_a_reset_when_hooks_made_grows(tmp_path):
     """torch.compile does not guard on forward hooks: an adapter that reaches a layer with no hook at the trace is
     missing from that layer in the compiled output until the caches are reset. `hooks_made` counts the hooks made,
-    which is what a host that compiles watches (nodes/bridge.py resets on growth); swaps and releases make none."""
+    which is what a host that compiles watches (nodes/bridge/ resets on growth); swaps and releases make none."""
     torch._dynamo.reset()
     model = lf.tiny()
     part = load_adapter(lf.write(tmp_path, "part.safetensors",

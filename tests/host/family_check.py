@@ -1,4 +1,4 @@
-"""Our engine through nodes/bridge.py against ComfyUI's fused LoRA path, on ComfyUI's own model classes.
+"""Our engine through nodes/bridge/ against ComfyUI's fused LoRA path, on ComfyUI's own model classes.
 
 Run with ComfyUI's python (tests/host/test_families.py does, once per session):
 
@@ -169,7 +169,7 @@ class FamilyRun:
             save_file(w.sd, path)
             sd = comfy.utils.load_torch_file(path, safe_load=True)  # as LoraLoader reads it
             adapter = cache.load(path, name=os.path.basename(path), convert=comfy.lora_convert.convert_lora,
-                                 convert_id="comfy")  # as nodes/bridge.py's load_lora does
+                                 convert_id="comfy")  # as nodes/bridge/files.py's load_lora does
             self.files[layout] = (sd, adapter)
 
     def forward(self):
@@ -205,11 +205,11 @@ class FamilyRun:
         re-run, then ComfyUI loading its new clone): the bank's bindings make it 0."""
         import lora_engine.slots as slots
         count = [0]
-        real = {self.bridge: self.bridge.bind, slots: slots.bind}
+        real = {self.bridge.models: self.bridge.models.bind, slots: slots.bind}
 
         def counting(*a, **kw):
             count[0] += 1
-            return real[self.bridge](*a, **kw)
+            return real[self.bridge.models](*a, **kw)
 
         try:
             for mod in real:

@@ -149,7 +149,7 @@ class Run:
         return path
 
     def load(self, name: str, sd: dict):
-        """The file `sd` written as `name`, and its adapter from the engine's cache as nodes/bridge.py loads it."""
+        """The file `sd` written as `name`, and its adapter from the engine's cache as nodes/bridge/ loads it."""
         path = self.write(name, sd)
         return path, self.cache.load(path, name=name, convert=self.comfy.lora_convert.convert_lora,
                                      convert_id="comfy")

@@ -1,4 +1,4 @@
-"""Our engine (through nodes/bridge.py) against ComfyUI's own fused LoRA path, per model family.
+"""Our engine (through nodes/bridge/) against ComfyUI's own fused LoRA path, per model family.
 
 `family_check.py` runs once, in-process with ComfyUI's python (no server): ComfyUI's own model classes
 for Flux, SDXL, Wan 2.1/2.2, Qwen-Image, SD3/SD3.5, HunyuanVideo, Chroma, LTX-Video, HiDream and Lumina 2,

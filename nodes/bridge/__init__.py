@@ -1,0 +1,43 @@
+"""The one bridge between ComfyUI and the engine. Every ComfyUI import of the pack lives in this package.
+
+It uses ComfyUI's extension points only:
+- files through `folder_paths`, refused unless they resolve inside a configured folder (`files`);
+- ComfyUI's own key maps (`model_lora_keys_unet` / `_clip`) and `lora_convert.convert_lora` (`models`, `files`);
+- a `PatcherInjection` on the returned clone (`injection`): when ComfyUI loads that clone, `inject` activates the
+  clone's stack on the shared slot bank, and `eject` deactivates it. Two clones of one base share its weights
+  and its bank, but each runs with its own stack (`apply`).
+- an ON_DETACH callback on that clone: when ComfyUI unloads the model, the bank's slots are released.
+- model wrappers around each sampling and each model call (`sampling`): schedules, per-item strengths, a
+  conditioning's strengths, and a grid's shared noise.
+- `comfy.utils.ProgressBar` for long work, and `comfy.sd` to load and bake DistillFuse's models (`bake`).
+
+The nodes call it as one module, `bridge.apply_stack(...)`; the names below are what they use.
+"""
+
+from __future__ import annotations
+
+from .apply import Shaping, apply_stack
+from .bake import (
+    SAFETENSORS,
+    bake,
+    bake_path,
+    bake_target,
+    check_interrupt,
+    load_unet,
+    progress,
+    refuse_quantized,
+    stored_weights,
+    unet_keymap,
+    unet_options,
+)
+from .files import file_state, filenames, load_lora, load_loras, lora_names, resolve
+from .injection import applied
+from .models import TEXT_ENCODER_LAYER, reaches_model, reports
+from .status import cells_that_fit, loaded_models, server_routes
+
+__all__ = [
+    "SAFETENSORS", "TEXT_ENCODER_LAYER", "Shaping", "applied", "apply_stack", "bake", "bake_path", "bake_target",
+    "cells_that_fit", "check_interrupt", "file_state", "filenames", "load_lora", "load_loras", "load_unet",
+    "loaded_models", "lora_names", "progress", "reaches_model", "refuse_quantized", "reports", "resolve",
+    "server_routes", "stored_weights", "unet_keymap", "unet_options",
+]

@@ -1,0 +1,148 @@
+"""MultiLoRALoader's call: a stack of adapters, bound and checked, put on clones of a MODEL and a CLIP."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import comfy.patcher_extension
+
+from lora_engine import Adapter, SlotLimitError
+from lora_engine.binding import no_match
+from lora_engine.blocks import BlockWeights, layer_weights, layout
+from lora_engine.errors import ShapingError
+from lora_engine.schedule import Schedule
+from lora_engine.slots import Entry, merge
+
+from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use
+from .models import binding_of, log_once, match_report, unhookable_keys, warn_fused
+from .sampling import ModelCallWrapper, PrepareSampling, cell_noise
+
+WRAPPER_KEY = "multilora"
+
+
+def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None):
+    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
+    it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
+    (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
+    preparation of each sampling (`PrepareSampling`: the slots made before the model loads, the conditionings
+    checked)."""
+    before = injection_of(patcher)
+    prior = before.stack if before is not None else None
+    merged = list(prior.entries) + entries if prior else entries
+    merge(merged)  # the engine's rules for a LoRA listed twice, over chained loaders too: raised here, not at sampling
+    slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
+    # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
+    merges = before.merges if before is not None else merge_patches(clone)
+    injection = StackInjection(Stack(tuple(merged), slots, kind), merges, root)
+    track_use(root if root is not None else clone.model, injection)
+    clone.set_injections(INJECTION_KEY, [injection])
+    detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
+    clone.remove_callbacks_with_key(detach, WRAPPER_KEY)
+    clone.add_callback_with_key(detach, WRAPPER_KEY, injection.unloaded)
+    if kind == "unet":
+        wrappers = comfy.patcher_extension.WrappersMP
+        for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING, wrappers.SAMPLER_SAMPLE):
+            clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
+        scheduled = any(e.schedule is not None for e in merged)
+        items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
+        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
+        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling())
+        if items:
+            clone.add_wrapper_with_key(wrappers.SAMPLER_SAMPLE, WRAPPER_KEY, cell_noise)
+    return clone
+
+
+def _strength(value) -> float | tuple[float, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """An entry's schedule and block weights, each one value or one per batch item (a tuple). Where the block
+    weights are one per item (a grid axis varies them), the BASE of `clip_blocks`, the entry's own, scales its
+    CLIP strength."""
+
+    schedule: Schedule | tuple[Schedule | None, ...] | None = None
+    blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
+    clip_blocks: BlockWeights | None = None
+
+
+def model_blocks(root) -> list:
+    """The diffusion model's blocks, from its layer names, read once per module."""
+    blocks = root.__dict__.get("_multilora_blocks")
+    if blocks is None:
+        blocks = layout(name for name, m in root.named_modules() if hasattr(m, "weight"))
+        root.__dict__["_multilora_blocks"] = blocks
+    return blocks
+
+
+def resolve_blocks(adapter: Adapter, spec: BlockWeights, root, binding) -> tuple[float, dict[str, float]]:
+    """(BASE multiplier, layer name → multiplier) of one block-weight text for this model and adapter."""
+    layers = list(binding.plans) if binding is not None else []
+    try:
+        base, per_block = spec.resolve(model_blocks(root), layout(layers))
+    except ShapingError as e:
+        raise ShapingError(f"{adapter.name}: {e}", path=adapter.path) from None
+    return base, layer_weights(layers, base, per_block)
+
+
+def _model_shaping(adapter, shaping: Shaping | None, root, binding):
+    """The engine's schedule and layer weights for one entry, and the BASE multiplier for its CLIP."""
+    if shaping is None:
+        return None, None, 1.0
+    blocks = shaping.blocks
+    if blocks is None:
+        return shaping.schedule, None, 1.0
+    if isinstance(blocks, tuple):
+        resolved = [None if b is None else resolve_blocks(adapter, b, root, binding) for b in blocks]
+        own = shaping.clip_blocks
+        base = 1.0 if own is None else resolve_blocks(adapter, own, root, binding)[0]
+        return shaping.schedule, tuple(None if r is None else r[1] for r in resolved), base
+    base, weights = resolve_blocks(adapter, blocks, root, binding)
+    return shaping.schedule, weights, base
+
+
+def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, strengths_clip: list, max_loras: int,
+                shaping: Sequence[Shaping | None] | None = None):
+    """The MODEL and CLIP clones for one stack. A model strength may be a list: one value per batch item
+    (the CLIP's per-item strengths are not supported). `shaping` holds each entry's schedule and block
+    weights; the text encoder gets an entry's BASE block weight as a factor on its strength, and no
+    schedule. A LoRA in the stack more than once takes one slot, at the sum of its strengths; `max_loras`
+    0 sizes the slots to the stack's distinct LoRAs. Raises before returning anything on any bad entry."""
+    distinct = {id(a): a for a in adapters}
+    if max_loras and len(distinct) > max_loras:
+        names = ", ".join(a.name for a in distinct.values())
+        raise SlotLimitError(f"the stack has {len(distinct)} LoRAs ({names}) but max_loras is {max_loras}",
+                             remedy="raise max_loras (0 sizes it to the stack), or disable entries")
+    max_loras = max_loras or len(distinct)
+    unet_root = model.model
+    clip_root = clip.cond_stage_model if clip is not None else None
+    shaping = list(shaping) if shaping is not None else [None] * len(adapters)
+    model_entries, clip_entries = [], []
+    roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
+    for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
+        on_model = binding_of(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
+        on_clip = binding_of(adapter, clip_root, "clip") if clip_root is not None else None
+        unbound = [r for r, b in zip(roots, (on_model, on_clip)) if b is None]
+        if on_model is None and on_clip is None:
+            target = " / ".join(type(root).__name__ for root, _ in roots)
+            raise no_match(f"{adapter.name} matches no layer of {target}", adapter,
+                           sorted(unhookable_keys(adapter.layers, roots)))
+        log_once(adapter, unet_root, match_report(adapter, on_model, on_clip, clip_root is not None, unbound))
+        warn_fused(adapter, unet_root, sm)
+        schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
+        if on_model is not None:
+            model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
+        if on_clip is not None:
+            clip_entries.append(Entry(adapter, _strength(sc) * base))
+    new_model = model
+    if model_entries:
+        new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet")
+    new_clip = clip
+    if clip is not None and clip_entries:
+        new_clip = clip.clone()
+        with_stack(clip.patcher, new_clip.patcher, clip_entries, max_loras, "clip", new_clip.cond_stage_model)
+    return new_model, new_clip
