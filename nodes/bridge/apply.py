@@ -21,38 +21,6 @@ from .sampling import ModelCallWrapper, PrepareSampling, cell_noise
 WRAPPER_KEY = "multilora"
 
 
-def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None):
-    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
-    it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
-    (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
-    preparation of each sampling (`PrepareSampling`: the slots made before the model loads, the conditionings
-    checked)."""
-    before = injection_of(patcher)
-    prior = before.stack if before is not None else None
-    merged = list(prior.entries) + entries if prior else entries
-    merge(merged)  # the engine's rules for a LoRA listed twice, over chained loaders too: raised here, not at sampling
-    slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
-    # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
-    merges = before.merges if before is not None else merge_patches(clone)
-    injection = StackInjection(Stack(tuple(merged), slots, kind), merges, root)
-    track_use(root if root is not None else clone.model, injection)
-    clone.set_injections(INJECTION_KEY, [injection])
-    detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
-    clone.remove_callbacks_with_key(detach, WRAPPER_KEY)
-    clone.add_callback_with_key(detach, WRAPPER_KEY, injection.unloaded)
-    if kind == "unet":
-        wrappers = comfy.patcher_extension.WrappersMP
-        for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING, wrappers.SAMPLER_SAMPLE):
-            clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
-        scheduled = any(e.schedule is not None for e in merged)
-        items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
-        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
-        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling())
-        if items:
-            clone.add_wrapper_with_key(wrappers.SAMPLER_SAMPLE, WRAPPER_KEY, cell_noise)
-    return clone
-
-
 def _strength(value) -> float | tuple[float, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(float(v) for v in value)
@@ -146,3 +114,35 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
         new_clip = clip.clone()
         with_stack(clip.patcher, new_clip.patcher, clip_entries, max_loras, "clip", new_clip.cond_stage_model)
     return new_model, new_clip
+
+
+def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None):
+    """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
+    it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
+    (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
+    preparation of each sampling (`PrepareSampling`: the slots made before the model loads, the conditionings
+    checked)."""
+    before = injection_of(patcher)
+    prior = before.stack if before is not None else None
+    merged = list(prior.entries) + entries if prior else entries
+    merge(merged)  # the engine's rules for a LoRA listed twice, over chained loaders too: raised here, not at sampling
+    slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
+    # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
+    merges = before.merges if before is not None else merge_patches(clone)
+    injection = StackInjection(Stack(tuple(merged), slots, kind), merges, root)
+    track_use(root if root is not None else clone.model, injection)
+    clone.set_injections(INJECTION_KEY, [injection])
+    detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
+    clone.remove_callbacks_with_key(detach, WRAPPER_KEY)
+    clone.add_callback_with_key(detach, WRAPPER_KEY, injection.unloaded)
+    if kind == "unet":
+        wrappers = comfy.patcher_extension.WrappersMP
+        for kind_of_wrapper in (wrappers.APPLY_MODEL, wrappers.PREPARE_SAMPLING, wrappers.SAMPLER_SAMPLE):
+            clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
+        scheduled = any(e.schedule is not None for e in merged)
+        items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
+        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
+        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling())
+        if items:
+            clone.add_wrapper_with_key(wrappers.SAMPLER_SAMPLE, WRAPPER_KEY, cell_noise)
+    return clone
