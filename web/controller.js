@@ -203,8 +203,18 @@ export class RowsController {
 
   widgetChanged(name) {
     if (name === 'single_strength') this.sync()
-    else if (parseInputName(name)) this.render()
+    else if (parseInputName(name)) this.rowChanged()
     this.node.setDirtyCanvas(true, false)
+  }
+
+  /** A row's widget changed. A row beyond the shown ones that now names a LoRA (an API-format workflow opened in the
+   * UI sets every widget without configuring the node) is shown, so that it goes into the prompt. */
+  rowChanged() {
+    const used = inferCount((n) => this.get(n), this.capacity, (n) => this.isLinked(n))
+    if (used > this.count) {
+      this.count = used
+      this.sync()
+    } else this.render()
   }
 
   connectionsChanged() {

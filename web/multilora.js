@@ -35,6 +35,8 @@ function refreshStatus() {
   statusRequest ??= getJson('/multilora/status')
     .then((s) => {
       status = s.error ? null : s
+      // The server answers again: metadata that failed to arrive (a network error, not the file's own) is asked again.
+      if (status) for (const [name, i] of infos) if (i?.unreachable) infos.delete(name)
     })
     .catch(() => {
       status = null
@@ -50,7 +52,7 @@ function info(name) {
   if (!infos.has(name)) {
     infos.set(name, null)
     getJson(`/multilora/lora_info?name=${encodeURIComponent(name)}`)
-      .catch((e) => ({ name, error: String(e?.message ?? e) }))
+      .catch((e) => ({ name, error: String(e?.message ?? e), unreachable: true }))
       .then((i) => {
         infos.set(name, i)
         renderAll()
@@ -85,9 +87,15 @@ app.registerExtension({
 
   setup() {
     // multilora.released: the server freed a model's slots ("Unload models", POST /free, another model's load).
-    for (const event of ['execution_success', 'execution_error', 'execution_interrupted', 'multilora.released']) {
+    // reconnected: the server came back, maybe restarted with empty slots and cache.
+    for (const event of ['execution_success', 'execution_error', 'execution_interrupted', 'multilora.released',
+      'reconnected']) {
       api.addEventListener(event, refreshStatus)
     }
+    // ComfyUI tells only the tab that queued a prompt that it ran; every tab hears that the queue emptied.
+    api.addEventListener('status', (e) => {
+      if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
+    })
     refreshStatus()
   },
 

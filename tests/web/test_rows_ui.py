@@ -422,6 +422,27 @@ def test_workflows_from_other_versions_load(ui, browser, case):
     b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
 
 
+def test_an_api_format_workflow_opened_in_the_ui_keeps_every_row(ui, browser):
+    """A prompt in API format opened as a file (ComfyUI's loadApiJson sets each widget, and configures no node):
+    every row that names a LoRA is shown and goes into the prompt, not only the first."""
+    b = browser
+    if "saved" not in ui:
+        pytest.skip("needs the workflow saved by test_saved_workflow_reloads_with_identical_values")
+    rows = list(wf.EXAMPLE_ROWS)
+    api = wf.rows_api(wf.small_api("api_opened"), rows)
+    try:
+        b.js("async (w) => { const f = new File([JSON.stringify(w)], 'rows_api.json', {type: 'application/json'});"
+             " await app.handleFile(f) }", api)
+        P.settle(b, 1.0)
+        node = b.js("() => app.graph.nodes.find((n) => n.type === 'LoRAStackRows').id")
+        s = P.state(b, node)
+        assert s["count"] == len(rows) and s["rows"] == rows
+        inputs = P.prompt(b, node)["inputs"]
+        assert [inputs.get(f"lora_{i}") for i in range(1, len(rows) + 2)] == [r["lora"] for r in rows] + [None]
+    finally:
+        b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
+
+
 def test_single_strength_mode(ui, browser, artifacts):
     b, node = browser, rows_node(ui)
     shown = P.state(b, node)["shown"]
