@@ -189,7 +189,7 @@ class LoKr:
                 w2 = w2.reshape(w2.shape[0], -1, *shape[2:])
         while w1.dim() < w2.dim():
             w1 = w1.unsqueeze(-1)
-        return (torch.kron(w1, w2) * self.scale).reshape(shape)
+        return (_kron(w1, w2) * self.scale).reshape(shape)
 
     def halves(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(c·W1 [a, b], W2 [c, d·k]) in fp32, each factor whole, with ΔW = kron(c·W1, W2) (no Tucker core)."""
@@ -227,13 +227,19 @@ class LoKr:
         """(A [r, in·k], c·B [out, r]) in fp32, with c·B·A = ΔW flattened (the module docstring)."""
         u1, v1 = _split(self.w1, self.w1a, self.w1b, device)
         u2, v2 = _split(self.w2, self.w2a, self.w2b, device)
-        return torch.kron(v1, v2), torch.kron(u1, u2) * self.scale
+        return _kron(v1, v2), _kron(u1, u2) * self.scale
 
     def factor_bounds(self) -> tuple[float, float]:
         """Bounds on |A| and |c·B| entries of `factors`, from the stored factors' maxima."""
         v1, u1 = _maxima(self.w1, self.w1a, self.w1b)
         v2, u2 = _maxima(self.w2, self.w2a, self.w2b)
         return v1 * v2, abs(self.scale) * u1 * u2
+
+
+def _kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.kron` of contiguous copies where needed: torch's kron views its operands, which fails on a strided one
+    (a Tucker rebuild's einsum returns one), as LyCORIS's own `make_kron` makes W2 contiguous first."""
+    return torch.kron(a.contiguous(), b.contiguous())
 
 
 def _wide(full: torch.Tensor) -> bool:
