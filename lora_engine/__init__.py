@@ -14,8 +14,8 @@ from .adapter import Adapter, FileIdentity, load_adapter
 from .binding import MatchReport, bind
 from .cache import AdapterCache, CacheStats, default_cache
 from .blocks import BlockWeights
-from .errors import (FuseError, LoRAError, LoRAFileError, LoRAFormatError, LoRANoMatchError, LoRAShapeError,
-                     NonFiniteError, ShapingError, SlotLimitError)
+from .errors import (EngineError, FuseError, LoRAError, LoRAFileError, LoRAFormatError, LoRANoMatchError,
+                     LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError)
 from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
@@ -23,8 +23,8 @@ from .schedule import Schedule
 from .slots import Activation, Entry, SlotBank, all_banks, occupancies
 
 __all__ = [
-    "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "Entry", "FileIdentity", "FuseError",
-    "FuseResult", "KeyMap", "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError", "LoRAShapeError",
-    "MatchReport", "NonFiniteError", "Schedule", "ShapingError", "SlotBank", "SlotLimitError", "Target", "all_banks",
-    "bind", "default_cache", "fuse", "ledger_of", "load_adapter", "occupancies", "read_header",
+    "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "EngineError", "Entry", "FileIdentity",
+    "FuseError", "FuseResult", "KeyMap", "LoRAError", "LoRAFileError", "LoRAFormatError", "LoRANoMatchError",
+    "LoRAShapeError", "MatchReport", "NonFiniteError", "Schedule", "ShapingError", "SlotBank", "SlotLimitError",
+    "Target", "all_banks", "bind", "default_cache", "fuse", "ledger_of", "load_adapter", "occupancies", "read_header",
 ]

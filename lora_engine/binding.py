@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .adapter import Adapter
-from .errors import LoRANoMatchError, LoRAShapeError, NonFiniteError
+from .errors import EngineError, LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
 from .patches import Boft, Glora, LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
 from .runtime import Kron
@@ -258,9 +258,11 @@ class ModulePlan:
                 d = p.patch.dense_delta(shape, self.piece_base(p, base_weight), device)
             except torch.cuda.OutOfMemoryError:
                 raise
-            except (RuntimeError, IndexError) as e:
-                raise LoRAShapeError(f"patch does not fit layer {self.name!r} of shape "
-                                     f"{tuple(g.weight_shape)!r}: {e}", path=self.path, key=p.patch.key) from None
+            except (RuntimeError, IndexError) as e:  # binding checked the shapes: the engine, not the file, failed
+                raise EngineError(f"rebuilding the {p.patch.format} delta of layer {self.name!r} (weight "
+                                  f"{tuple(g.weight_shape)!r}) failed: {type(e).__name__}: {e}", path=self.path,
+                                  key=p.patch.key, remedy="this is a bug in the engine, not a fault of the file; "
+                                  "please report it with the file attached") from e
             if d is None:
                 continue
             if total is None:
@@ -472,6 +474,40 @@ def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slic
             raise LoRAShapeError(f"{what} does not fit layer {name!r} "
                                  f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
                                  remedy="the adapter was trained for another model or model size")
+    if isinstance(w, LoKr):
+        _check_lokr_kernel(adapter, name, g, patch)
+    if w is not None and patch.dora_scale is not None:
+        _check_magnitude(adapter, name, g, patch, size)
+
+
+def _check_magnitude(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, size: int) -> None:
+    """A DoRA magnitude holds one value per output row, or one per input channel (LyCORIS's `wd_on_output=False`),
+    as `patches.dora_delta` reads it; any other is refused."""
+    m = patch.dora_scale
+    inputs = g.weight_shape[1] if len(g.weight_shape) > 1 else None
+    if (m.dim() and m.shape[0] == size and m.numel() == size) or (inputs is not None and m.numel() == inputs):
+        return
+    per_input = f" nor one per input ({inputs})" if inputs is not None else ""
+    raise LoRAShapeError(f"DoRA magnitude {tuple(m.shape)!r} does not fit layer {name!r} (weight "
+                         f"{tuple(g.weight_shape)!r}): it holds neither one value per output ({size}){per_input}",
+                         path=adapter.path, key=patch.key,
+                         remedy="the adapter was trained for another model or model size, or its file is damaged")
+
+
+def _check_lokr_kernel(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch) -> None:
+    """A conv LoKr's low-rank W2 without a Tucker core, W2a·W2b [c, n], holds the kernel as LyCORIS writes it:
+    n = d·k, d of the layer's input channels and k its kernel positions."""
+    w = patch.weight
+    kernel = math.prod(g.kernel)
+    if not g.conv_dims or w.w2 is not None or w.t2 is not None or w.w2b.dim() < 1:
+        return
+    width = w.w2b[0].numel()
+    if width % kernel:
+        raise LoRAShapeError(f"LoKr W2 = lokr_w2_a·lokr_w2_b has {width} columns, not a whole number of layer "
+                             f"{name!r}'s kernel of {kernel} positions (weight {tuple(g.weight_shape)!r})",
+                             path=adapter.path, key=patch.key,
+                             remedy="the file is not a LoKr layout this layer can take (LyCORIS writes W2's columns "
+                             "as input channels × kernel); re-export it for this model")
 
 
 def _glora_reading(patch: LayerPatch, g: Geometry, out_slice: tuple[int, int] | None) -> LayerPatch:

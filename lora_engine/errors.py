@@ -56,6 +56,10 @@ class LoRANoMatchError(LoRAError):
     """The adapter targets no layer of this model (usually another model family)."""
 
 
+class EngineError(LoRAError):
+    """A step of the engine failed on a file it had accepted: a bug in the engine, not a fault of the file."""
+
+
 class NonFiniteError(LoRAError):
     """A tensor, or a fused result, holds NaN or Inf."""
 

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import lora_engine
-from lora_engine import (Adapter, FileIdentity, LoRAError, LoRAFileError, LoRAShapeError, NonFiniteError,
+from lora_engine import (Adapter, EngineError, FileIdentity, LoRAError, LoRAFileError, LoRAShapeError, NonFiniteError,
                          SlotBank, load_adapter, read_header)
 from lora_engine.formats import parse_tensors
 from lora_engine.reader import DTYPE_SIZES
@@ -168,6 +168,7 @@ def bounded(file_size: int, label: str | None = None):
 def check_error(e: BaseException, path: str) -> str:
     """The property for a refused input; returns the outcome's name."""
     assert isinstance(e, LoRAError), f"{type(e).__name__} is not a LoRAError: {e}"
+    assert not isinstance(e, EngineError), f"a file the engine cannot apply read as a bug of the engine: {e}"
     assert os.path.basename(path) in str(e), f"the message does not name {path!r}: {e}"
     return type(e).__name__
 

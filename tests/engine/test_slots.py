@@ -6,7 +6,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from lora_engine import Entry, LoRAShapeError, NonFiniteError, Schedule, SlotBank, SlotLimitError, load_adapter
+from lora_engine import EngineError, Entry, LoRAShapeError, NonFiniteError, Schedule, SlotBank, SlotLimitError, load_adapter
 from lora_engine.errors import ShapingError
 
 from . import lora_files as lf
@@ -728,20 +728,26 @@ def test_each_slot_of_a_linear_holds_its_columns_of_b_as_one_dense_block(tmp_pat
     check([(ads[0], 0.8), (ads[1], 0.4), (ads[2], 0.5)])
 
 
-def test_a_refused_newcomer_of_a_higher_rank_leaves_the_output_bit_for_bit(tmp_path):
-    """A newcomer of a higher rank reallocates the layers' buffers before a later layer of it is refused (its DoRA
-    magnitude is empty). The resident adapter's rows then come from a packed copy instead of the slot buffers; the
-    copy is laid out as the buffers are, so that the output is the same bit for bit."""
+def test_a_refused_newcomer_of_a_higher_rank_leaves_the_output_bit_for_bit(tmp_path, monkeypatch):
+    """A newcomer of a higher rank reallocates the layers' buffers before a later layer of it fails (the rebuild of
+    its DoRA layer's ΔW raises, as an engine bug would: binding has refused every file that does not fit). The
+    resident adapter's rows then come from a packed copy instead of the slot buffers; the copy is laid out as the
+    buffers are, so that the output is the same bit for bit."""
     model = lf.tiny()
     x = lf.tiny_input()
     good = load_adapter(lf.write(tmp_path, "good.safetensors", lf.lora_tensors(model, "kohya", 7)), name="good")
     tensors = lf.lora_tensors(model, "kohya", 8, rank=8)
-    tensors["lora_unet_ff.dora_scale"] = torch.ones(0)
+    tensors["lora_unet_ff.dora_scale"] = torch.ones(32, 1)  # ff: the dense path, its ΔW rebuilt at the write
     bad = load_adapter(lf.write(tmp_path, "bad.safetensors", tensors), name="bad")
+
+    def failing_rebuild(*args, **kwargs):
+        raise RuntimeError("a rebuild that fails")
+
+    monkeypatch.setattr(bad.layers["lora_unet_ff"], "dense_delta", failing_rebuild)
     bank = SlotBank(model, max_loras=2)
     bank.activate([(good, 0.5)])
     before = run(model, x)
-    with pytest.raises(LoRAShapeError, match="'ff'"):
+    with pytest.raises(EngineError, match="'ff'"):
         bank.activate([(good, 0.5), (bad, 1.0)])
     assert any(layer.rows is not None and layer.rows.packed for layer in bank.layers.values())
     assert torch.equal(run(model, x), before)
