@@ -4,6 +4,12 @@ A case names LyCORIS's own `create_lycoris` options. The network is built on a c
 layer kind diffusion models use, its parameters are filled with seeded random values (LyCORIS starts B, the OFT
 blocks and the full diff at zero, which would test nothing), and LyCORIS's `save_weights` writes the file that the
 engine then loads. The reference output is LyCORIS's own forward, in its weight-rebuild mode, on that copy.
+
+The reference is the network that wrote the file, not one that LyCORIS's `create_lycoris_from_weights` reads back
+from it: that cannot reload a LoKr with a Tucker core (`lokr_t2`). Its `LokrModule.make_module_from_state_dict` takes
+the rank from `lokr_w2_a.size(1)` (lycoris/modules/lokr.py:267), which is the output factor in the Tucker layout
+([rank, out]), so the module it makes holds a full `lokr_w2` and has no `lokr_w2_a` to copy into (AttributeError at
+lokr.py:337).
 """
 
 from __future__ import annotations

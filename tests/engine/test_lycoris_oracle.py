@@ -12,10 +12,10 @@ documented rule, each layer's weight moved linearly from W to the weight LyCORIS
 multiplier 1, and the test asserts that LyCORIS's forward does differ there, so that the table stays true. At
 strength 0 the engine's output is the base model's, in every row.
 
-LyCORIS's `merge_to` is not used as a reference: for LoHa and LoKr it applies alpha/rank twice
-(lycoris/modules/loha.py:231-232 and lycoris/modules/lokr.py:431-432, `get_diff_weight` scales `get_weight`, which
-`get_merged_weight` and `merge_to` call, by `self.scale` again, after `get_weight` has applied it), and its forward
-is what a trained network computes.
+LyCORIS's `merge_to` is not used as a reference, since for LoHa and LoKr it applies alpha/rank twice: their
+`get_diff_weight` multiplies `get_weight`, which has applied `self.scale` already, by `self.scale` again
+(lycoris/modules/loha.py:231-232, lycoris/modules/lokr.py:382-383), and `get_merged_weight` (loha.py:238,
+lokr.py:389), which `merge_to` calls, takes that. The forward, which a trained network computes, is the reference.
 """
 
 from __future__ import annotations
