@@ -17,7 +17,9 @@ every patch defines a weight delta ΔW so that the patched layer computes
 - `Oft`       LyCORIS diag-OFT and kohya's OFT: W' = m ⊙ Rᵀ·W per block of output rows, R = (I + Q)(I − Q)⁻¹
               orthogonal (Cayley), Q = P − Pᵀ from the stored blocks P [k, b, b], m the optional `rescale` per
               output row; ΔW = W' − W reads the base weight, as DoRA's does, and strength s moves linearly from
-              W to W', as in LyCORIS and kohya's OFT. Where the file's alpha > 0 it is the constraint: Q is scaled
+              W to W', as in kohya's OFT and in LyCORIS without `rescale`. (LyCORIS computes m ⊙ (s·Rᵀ + (1 −
+              s)·I)·W, so with a `rescale` the two agree at s = 1 only, and LyCORIS's s = 0 is m ⊙ W, not the
+              base weight; docs/lycoris.md.) Where the file's alpha > 0 it is the constraint: Q is scaled
               down to Frobenius norm alpha·n (n = k·b, the layer's outputs; over all of its blocks) where ‖Q‖
               exceeds that, as both trainers bound it. (ComfyUI 0.28's LoraLoader bounds ‖Q‖ by alpha itself,
               adds s²·(Rᵀ − I)·W and drops `rescale`; at s = 1, without `rescale` and with ‖Q‖ ≤ alpha, the
@@ -28,7 +30,8 @@ every patch defines a weight delta ΔW so that the patched layer computes
               output rows, which reads them in groups of 2·h (h = 2^i · b/2) as h pairs of rows h apart. ΔW =
               W' − W; s moves linearly from W to W'. (LyCORIS and ComfyUI 0.28 move each stage's R_i linearly
               from I instead, so W' is a polynomial of degree M in s there, and ComfyUI also multiplies the
-              delta by s; all three agree at s = 0 and s = 1.)
+              delta by s. All three agree at s = 1; at s = 0 ComfyUI's and this are W, and so is LyCORIS's
+              without `rescale`, but with one LyCORIS applies m at every strength: m ⊙ W; docs/lycoris.md.)
 - `Glora`     LyCORIS GLoRA: ΔW = c · (W·A1·A2 + B1·B2), with A1 [n, ra], A2 [ra, n], B1 [out, rb],
               B2 [rb, in, *kernel] and c = alpha / ra. W·A1·A2 mixes the weight's inputs: n is the
               flattened inputs (in·k) where A1 has that many rows, else (a conv, LyCORIS's current layout)
@@ -56,7 +59,9 @@ DoRA (`dora_scale`, PEFT's `lora_magnitude_vector`): with W' = W + ΔW, the deco
 weight is W_d = m ⊙ W' / ‖W'‖ (norm over every axis but the magnitude's), as DoRA,
 LyCORIS and PEFT define it, and strength s moves linearly from W to W_d, as in ComfyUI:
 ΔW_dora = W_d − W, applied as s · ΔW_dora. (ComfyUI 0.28's LoraLoader divides a
-magnitude on the output axis by ‖W‖, the base weight's norm, instead.)
+magnitude on the output axis by ‖W‖, the base weight's norm, instead. LyCORIS blends only the
+normalisation, (W + ΔW) ⊙ (s·(m/‖W + ΔW‖ − 1) + 1), which agrees at s = 1 only: its s = 0 is
+W + ΔW; docs/lycoris.md.)
 """
 
 from __future__ import annotations

@@ -154,16 +154,16 @@ def attach(case: Case, ref: nn.Module, path: str) -> LycorisNetwork:
 
 
 def targets(net: LycorisNetwork, ref: nn.Module) -> dict[str, nn.Module]:
-    """The model's layers `net` wraps, by name."""
+    """The LyCORIS modules of `net`, by the name of the model's layer each wraps."""
     names = {id(m): n for n, m in ref.named_modules()}
     return {names[id(lora.org_module[0])]: lora for lora in net.loras}
 
 
 def linear_rule(model: nn.Module, ref: nn.Module, net: LycorisNetwork, x: torch.Tensor, strength: float
                 ) -> torch.Tensor:
-    """The engine's rule where it is not LyCORIS's: each layer's W + s·(W₁ − W), W₁ the layer's weight as LyCORIS's
-    own forward rebuilds it at multiplier 1 (read from the weight LyCORIS hands to the layer's op). The output of
-    `model` so patched, on `x`."""
+    """The engine's rule where it is not LyCORIS's: each layer's W + s·(W₁ − W), W₁ the layer's weight as
+    LyCORIS's own forward rebuilds it at multiplier 1 (read from the weight LyCORIS hands to the layer's op). The
+    output of `model` so patched, on `x`."""
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     wrapped = targets(net, ref)
     originals = [(lora, lora.op) for lora in wrapped.values()]

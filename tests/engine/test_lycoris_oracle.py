@@ -89,8 +89,8 @@ CASES = [
     Case("boft-constraint-rescale", {"algo": "boft", "constraint": 0.03, "rescaled": True}, {f"{P}.rescale": (32, 1)},
          differs=True),
     # GLoRA: LyCORIS makes its conv factors over all input channels, which a grouped conv's weight cannot take
-    # (lycoris/modules/glora.py:83 and :100), so it is kept off that layer. `use_tucker` writes no `bm`: LyCORIS
-    # keeps it only for a kernel that is all ones and not all ones at once (lycoris/modules/glora.py:88 and :97).
+    # (lycoris/modules/glora.py:92 and :113), so it is kept off that layer. `use_tucker` writes no `bm`: LyCORIS
+    # keeps it only for a kernel that is all ones and not all ones at once (lycoris/modules/glora.py:97 and :106).
     Case("glora", {"algo": "glora"}, {f"{CI}.a1.weight": (8, 4, 1, 1), f"{P}.b2.weight": (4, 32)},
          exclude=("conv_grouped",)),
     Case("glora-tucker", {"algo": "glora", "use_tucker": True}, {f"{CI}.b2.weight": (4, 8, 3, 3)},
