@@ -14,6 +14,7 @@ lokr.py:337).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass, field
@@ -68,6 +69,18 @@ def tiny(seed: int = 0) -> Tiny:
             m.weight.add_(torch.randn(m.weight.shape) * 0.2)
             m.bias.add_(torch.randn(m.bias.shape) * 0.2)
     return model
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one CPU thread, as it was after: the tiny model's ops gain nothing from more, and where other work
+    shares the CPU a thread pool's hand-offs make each of them take milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def tiny_input(seed: int = 1) -> torch.Tensor:

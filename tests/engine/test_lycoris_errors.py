@@ -19,6 +19,12 @@ from . import lycoris_oracle as lo
 from .lycoris_oracle import Case
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    with lo.one_thread():
+        yield
+
+
 def lycoris_file(tmp_path, case: Case, changes: dict[str, torch.Tensor] | None = None) -> str:
     """A file LyCORIS wrote for `case` on the tiny model, with the tensors of `changes` put in its place."""
     path = str(tmp_path / f"{case.name}.safetensors")
