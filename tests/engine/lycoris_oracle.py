@@ -91,9 +91,9 @@ def tiny_input(seed: int = 1) -> torch.Tensor:
 class Case:
     """One LyCORIS network: `create_lycoris` keyword arguments (`options`), the layers LyCORIS is kept off
     (`exclude`), what its file must hold to show that the option took effect (`holds`: a key's suffix that some key
-    ends with, or a whole key and that tensor's shape; `lacks`: suffixes no key ends with), and where the engine's
-    strength rule is not LyCORIS's (`differs`, docs/lycoris.md: at strengths other than 1 the engine moves each
-    layer linearly from W to LyCORIS's W at multiplier 1)."""
+    ends with, or a whole key and that tensor's shape; `lacks`: suffixes no key ends with), and the strengths at
+    which LyCORIS's strength rule is the engine's (`agrees`; None: every strength). At the others, the table of
+    docs/lycoris.md, the engine moves each layer linearly from W to LyCORIS's weight at multiplier 1."""
 
     name: str
     options: dict
@@ -103,7 +103,7 @@ class Case:
     dim: int = 4
     alpha: float = 2.0
     seed: int = 0
-    differs: bool = False
+    agrees: tuple[float, ...] | None = None
 
 
 def _preset(exclude: tuple[str, ...]) -> None:
