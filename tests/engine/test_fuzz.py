@@ -52,7 +52,7 @@ from safetensors.torch import save_file
 import lora_engine
 from lora_engine import (Adapter, FileIdentity, LoRAError, LoRAFileError, LoRAShapeError, NonFiniteError,
                          SlotBank, load_adapter, read_header)
-from lora_engine.formats import parse_tensors
+from lora_engine.patches import parse_tensors
 from lora_engine.reader import DTYPE_SIZES
 
 from . import lora_files as lf
