@@ -85,7 +85,8 @@ class LoKr(WeightPatch):
         if self.w2 is not None:
             w2 = f32(self.w2, device)
         elif self.t2 is not None:
-            w2 = rebuild(self.w2a, self.w2b, self.t2, device)
+            # The Tucker rebuild is a permuted einsum result, which kron cannot view: both factors made contiguous.
+            w1, w2 = w1.contiguous(), rebuild(self.w2a, self.w2b, self.t2, device).contiguous()
         else:
             w2 = rebuild(self.w2a, self.w2b, None, device)
             if len(shape) > 2:
