@@ -11,7 +11,7 @@
 """
 
 from .adapter import Adapter, FileIdentity, load_adapter
-from .binding import MatchReport, bind
+from .binding import bind
 from .cache import AdapterCache, CacheStats, default_cache
 from .blocks import BlockWeights
 from .errors import (EngineError, FuseError, LoRAError, LoRAFileError, LoRAFormatError, LoRANoMatchError,
@@ -19,6 +19,7 @@ from .errors import (EngineError, FuseError, LoRAError, LoRAFileError, LoRAForma
 from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
+from .report import MatchReport
 from .schedule import Schedule
 from .slots import Activation, Entry, SlotBank, all_banks, occupancies
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from .errors import LoRAFileError, LoRAFormatError
-from .formats import parse_tensors
-from .formats._util import PEFT_META_KEY
-from .patches import LayerPatch, LowRank
+from .patches import LayerPatch, LowRank, parse_tensors
+from .patches.keys import PEFT_META_KEY
 from .reader import read_tensors
 
 log = logging.getLogger("lora_engine")

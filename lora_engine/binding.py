@@ -16,9 +16,8 @@ which is refused.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,11 +25,20 @@ from torch import nn
 from .adapter import Adapter
 from .errors import EngineError, LoRANoMatchError, LoRAShapeError, NonFiniteError
 from .keymap import KeyMap, linear_like
-from .patches import Boft, Glora, LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
+from .patches import LayerFit, LayerPatch, absmax
+from .patches.dora import check_magnitude
+from .report import MatchReport, kinds
 from .runtime import Kron
 
-if TYPE_CHECKING:
-    from .writes import SlotCopies
+
+class Copies(Protocol):
+    """Where `ModulePlan.write_factors` queues the copies of stored factors into slot rows (`writes.SlotCopies`)."""
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
+        """Copy `src` into `dst`, times `scale` once copied."""
+
+    def add_rounded(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+        """Write `scale`·`src` into `dst`, rounded once into `dst`'s dtype."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +132,7 @@ class ModulePlan:
         g, patch = self.geometry, piece.patch
         if g.conv_dims or not g.low_rank_ok or piece.rows is not None or patch.dora_scale is not None:
             return False
-        shapes = patch.weight.half_shapes() if isinstance(patch.weight, LoKr) else None
+        shapes = patch.weight.half_shapes()
         if shapes is None:
             return False
         (a, b), (c, d) = shapes
@@ -152,7 +160,7 @@ class ModulePlan:
         a LoHa or LoKr product's exact low-rank rank (`patches`) where its B and A hold fewer elements than ΔW."""
         patch = piece.patch
         if patch.runtime_low_rank:
-            return patch.weight.rank
+            return patch.weight.stored_rank
         rank = patch.product_rank
         outputs = piece.out_slice[1] if piece.out_slice else self.geometry.out_features
         inputs = self.geometry.weight_shape[1:].numel()
@@ -174,19 +182,19 @@ class ModulePlan:
 
         def products_overflow(p: Piece) -> bool:  # past the bounds, the products themselves decide
             w = p.patch.weight
-            base = self.piece_base(p, base_weight) if isinstance(w, Glora) else None
-            bounds = w.factor_bounds(absmax(base)) if isinstance(w, Glora) else w.factor_bounds()
-            if max(bounds) <= limit:
+            base = self.piece_base(p, base_weight) if w.reads_weight else None
+            if max(w.factor_bounds(absmax(base) if w.reads_weight else None)) <= limit:
                 return False
-            factors = w.factors(None, base) if isinstance(w, Glora) else w.factors()
-            return _balanced(*factors, limit) is None
+            return _balanced(*w.factors(None, base), limit) is None
 
         for p in self.pieces:
             w = p.patch.weight
             if w is None:
                 continue
-            if isinstance(w, LowRank):
-                bad = overflows(w.down, 1.0) or overflows(w.up, abs(w.scale))
+            stored = w.stored_factors()
+            if stored is not None:
+                down, up, scale = stored
+                bad = overflows(down, 1.0) or overflows(up, abs(scale))
             else:
                 bad = products_overflow(p)
             if bad:
@@ -205,7 +213,7 @@ class ModulePlan:
         base = base_weight.reshape(g.weight_shape)[start:start + size]
         return base if piece.rows is None else base[torch.argsort(torch.tensor(piece.rows))]
 
-    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: SlotCopies,
+    def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: Copies,
                       base_weight: torch.Tensor | None = None) -> int:
         """A into the first rows of `a` [R, in, *k] and s·B into the first columns of `b` [out, R], one slot's
         rows of the layer's buffers (the rows no piece writes stay as they are). A low-rank patch's are copies from
@@ -217,11 +225,12 @@ class ModulePlan:
             w = p.patch.weight
             if w is None:
                 continue
-            if isinstance(w, LowRank):
-                down, up, r = w.down, p.order(w.up), w.rank
+            stored = w.stored_factors()
+            if stored is not None:
+                down, up, scale = stored
+                up, r = p.order(up), down.shape[0]
             else:
-                down, up = w.factors(a.device, self.piece_base(p, base_weight)) if isinstance(w, Glora) else \
-                    w.factors(a.device)
+                down, up = w.factors(a.device, self.piece_base(p, base_weight) if w.reads_weight else None)
                 down, up = _balanced(down, up, _max(a.dtype)) or (down, up)  # checked at staging
                 up, r = p.order(up), down.shape[0]
             if down.shape[1:] != a.shape[1:]:
@@ -232,16 +241,16 @@ class ModulePlan:
                 dst_b = b[p.out_slice[0]:sum(p.out_slice), at:at + r]
             else:
                 dst_b = b if whole else b.narrow(1, at, r)
-            if not isinstance(w, LowRank):
+            if stored is None:
                 dst_a.copy_(down)
                 dst_b.copy_(up)
                 written += dst_a.numel() * dst_a.element_size() + dst_b.numel() * dst_b.element_size()
             else:
                 copies.add(dst_a, down)
                 if up.dtype == b.dtype or (b.dtype == torch.float32 and up.element_size() < 4):
-                    copies.add(dst_b, up, w.scale)  # an exact copy, then one rounding of s·B
+                    copies.add(dst_b, up, scale)  # an exact copy, then one rounding of s·B
                 else:
-                    copies.add_rounded(dst_b, up, w.scale)
+                    copies.add_rounded(dst_b, up, scale)
             at += r
         return written
 
@@ -295,76 +304,6 @@ class ModulePlan:
         return total
 
 
-@dataclass(frozen=True)
-class MatchReport:
-    adapter: str
-    path: str
-    model: str
-    matched: int
-    low_rank: int
-    dense: int
-    unmatched: tuple[str, ...]
-    leftover: tuple[str, ...]
-    formats: tuple[str, ...]
-    # Of `unmatched`, the prefixes whose layer the model has but the runtime path does not hook: (prefix, class).
-    unhookable: tuple[tuple[str, str], ...] = ()
-    # A layer whose A was widened with zero columns: (layer, the file's inputs, the layer's inputs).
-    widened: tuple[tuple[str, int, int], ...] = ()
-    kron: int = 0  # layers that apply a LoKr as its two factors (`ModulePlan.kron`); not counted in `dense`
-
-    @property
-    def partial(self) -> bool:
-        return bool(self.unmatched or self.leftover)
-
-    @property
-    def runtime_path(self) -> str:
-        return runtime_path(self.low_rank, self.kron, self.dense)
-
-    def line(self) -> str:
-        kron = f", {self.kron} kronecker" if self.kron else ""
-        s = (f"{self.adapter}: {self.matched} layers matched on {self.model} ({'+'.join(self.formats)}, path "
-             f"{self.runtime_path}: {self.low_rank} low-rank{kron}, {self.dense} dense)")
-        if self.unmatched:
-            s += f"; {len(self.unmatched)} unmatched, e.g. {', '.join(self.unmatched[:3])}"
-        if self.unhookable:
-            s += f" ({unhookable_note(self.unhookable)})"
-        if self.widened:
-            s += f"; {widened_note(self.widened)}"
-        if self.leftover:
-            s += f"; {len(self.leftover)} unparsed keys, e.g. {', '.join(self.leftover[:3])}"
-        return s
-
-    def as_dict(self) -> dict:
-        return {"adapter": self.adapter, "path": self.path, "model": self.model, "matched": self.matched,
-                "low_rank": self.low_rank, "kron": self.kron, "dense": self.dense, "unmatched": list(self.unmatched),
-                "leftover": list(self.leftover), "formats": list(self.formats), "partial": self.partial,
-                "runtime_path": self.runtime_path, "unhookable": [list(u) for u in self.unhookable],
-                "widened": [list(w) for w in self.widened]}
-
-
-def runtime_path(low_rank: int, kron: int, dense: int) -> str:
-    """What a report calls the path of layers counted so: low-rank, kronecker or dense where every layer takes that
-    path, mixed where they differ."""
-    paths = [name for name, n in (("low-rank", low_rank), ("kronecker", kron), ("dense", dense)) if n]
-    return paths[0] if len(paths) == 1 else "mixed" if paths else "low-rank"
-
-
-def _kinds(unhookable) -> str:
-    return ", ".join(sorted({kind for _, kind in unhookable}))
-
-
-def unhookable_note(unhookable) -> str:
-    """What a report says of the keys on layers the runtime path does not hook."""
-    return (f"{len(unhookable)} of them on layers the runtime path does not hook ({_kinds(unhookable)}); "
-            "ComfyUI's LoraLoader fuses those into the weights")
-
-
-def widened_note(widened) -> str:
-    """What a report says of the layers whose A was widened (`MatchReport.widened`)."""
-    return "; ".join(f"{name} takes {have} inputs where the file has {got}: the LoRA acts on the first {got} "
-                     "(the latent), not on the model's extra input channels" for name, got, have in widened)
-
-
 @dataclass
 class Binding:
     adapter: Adapter
@@ -389,9 +328,12 @@ def bind(adapter: Adapter, keymap: KeyMap, model_name: str | None = None) -> Bin
         narrow = _narrow_input(g, patch, target.out_slice)
         if narrow is not None and not widened:
             widened.append((target.module, narrow, g.in_features))
-            patch = _widen(patch, g.in_features)
-        patch = _glora_reading(patch, g, target.out_slice)
-        _check(adapter, target.module, g, patch, target.out_slice)
+            patch = replace(patch, weight=patch.weight.widened(g.in_features))
+        fit = LayerFit(target.module, g.weight_shape, target.out_slice)
+        reading = patch.weight.reading(fit) if patch.weight is not None else None
+        if reading is not patch.weight:  # a GLoRA whose file fits two layouts, in the one that fits the layer
+            patch = replace(patch, weight=reading)
+        _check(adapter, fit, patch)
         pieces.setdefault(target.module, []).append(Piece(patch, target.out_slice, target.rows))
     plans = {name: ModulePlan(name, keymap.modules[name], geometry[name], ps, adapter.path)
              for name, ps in pieces.items()}
@@ -411,164 +353,33 @@ def no_match(what: str, adapter: Adapter, unhookable) -> LoRANoMatchError:
     n, examples = len(adapter.layers), ", ".join(list(adapter.layers)[:3])
     if unhookable and {p for p, _ in unhookable} == set(adapter.layers):
         return LoRANoMatchError(f"{what}: its {n} layer keys name only layers the runtime path does not hook "
-                                f"({_kinds(unhookable)}), e.g. {examples}", path=adapter.path,
+                                f"({kinds(unhookable)}), e.g. {examples}", path=adapter.path,
                                 remedy="apply it with ComfyUI's LoraLoader, which fuses it into the weights")
     return LoRANoMatchError(f"{what} ({n} layer keys, e.g. {examples})", path=adapter.path,
                             remedy="it is probably a LoRA for another model family")
 
 
 def _narrow_input(g: Geometry, patch: LayerPatch, out_slice: tuple[int, int] | None) -> int | None:
-    """The file's inputs where a low-rank patch fits a layer but for fewer inputs (its A [r, in, *k] against the
-    layer's [out, in + c, *k]), else None. DoRA's norm is over the trained weight's columns, so it is not widened."""
-    w = patch.weight
-    if not isinstance(w, LowRank) or patch.dora_scale is not None or out_slice is not None or not g.low_rank_ok:
+    """The file's inputs where a patch fits a layer but for fewer inputs (a LoRA's A [r, in, *k] against the layer's
+    [out, in + c, *k]), else None. DoRA's norm is over the trained weight's columns, so it is not widened."""
+    if patch.weight is None or patch.dora_scale is not None or out_slice is not None or not g.low_rank_ok:
         return None
-    down = w.down
-    if down.dim() != 2 + g.conv_dims or tuple(down.shape[2:]) != g.kernel or w.up.shape[0] != g.out_features:
-        return None
-    return down.shape[1] if 0 < down.shape[1] < g.in_features else None
+    return patch.weight.narrower_inputs(g.weight_shape)
 
 
-def _widen(patch: LayerPatch, inputs: int) -> LayerPatch:
-    """`patch` with its A widened to `inputs` by zero columns (the adapter itself is left as it is)."""
-    down = patch.weight.down
-    pad = down.new_zeros(down.shape[0], inputs - down.shape[1], *down.shape[2:])
-    return replace(patch, weight=replace(patch.weight, down=torch.cat([down, pad], dim=1)))
-
-
-def _check(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, out_slice: tuple[int, int] | None) -> None:
-    size = out_slice[1] if out_slice else g.out_features
-    if out_slice and out_slice[0] + out_slice[1] > g.out_features:
-        raise LoRAShapeError(f"slice {out_slice!r} exceeds layer {name!r} with {g.out_features} outputs",
+def _check(adapter: Adapter, fit: LayerFit, patch: LayerPatch) -> None:
+    """The patch's own shape check against the layer (`WeightPatch.check`), and its bias diff's."""
+    size = fit.size
+    if fit.out_slice and sum(fit.out_slice) > fit.weight_shape[0]:
+        raise LoRAShapeError(f"slice {fit.out_slice!r} exceeds layer {fit.name!r} with {fit.weight_shape[0]} outputs",
                              path=adapter.path, key=patch.key)
-    w = patch.weight
-    if w is not None and hasattr(w, "down"):
-        want_in = tuple(g.weight_shape[1:])
-        got_in = tuple(w.down.shape[1:])
-        flat_ok = math.prod(got_in) == math.prod(want_in)
-        if (got_in != want_in and not flat_ok) or w.up.shape[0] != size:
-            raise LoRAShapeError(f"factors down {tuple(w.down.shape)!r} / up {tuple(w.up.shape)!r} do not fit "
-                                 f"layer {name!r} (weight {tuple(g.weight_shape)!r}"
-                                 f"{', output slice ' + repr(out_slice) if out_slice else ''})",
-                                 path=adapter.path, key=patch.key,
-                                 remedy="the LoRA was trained for another model or model size")
+    if patch.weight is not None:
+        patch.weight.check(fit, adapter.path, patch.key)
+        if patch.dora_scale is not None:
+            check_magnitude(patch.dora_scale, fit, adapter.path, patch.key)
     if patch.bias is not None and patch.bias.numel() != size:
-        raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {name!r} with "
+        raise LoRAShapeError(f"bias diff {tuple(patch.bias.shape)!r} does not fit layer {fit.name!r} with "
                              f"{size} outputs", path=adapter.path, key=patch.key)
-    if isinstance(w, (Oft, Boft)):
-        rows = w.outputs
-        if rows != size:
-            raise LoRAShapeError(f"OFT blocks {tuple(w.blocks.shape)!r} rotate {rows} output rows, but layer {name!r} "
-                                 f"has {size}{' in its output slice ' + repr(out_slice) if out_slice else ''}",
-                                 path=adapter.path, key=patch.key,
-                                 remedy="the adapter was trained for another model or model size")
-    elif isinstance(w, Glora):
-        _check_glora(adapter, name, g, patch, size)
-    elif w is not None and not hasattr(w, "down"):
-        # Checked from shapes before anything is materialised: LoHa and LoKr factors of a few KB can
-        # describe a product of gigabytes.
-        numel = size * torch.Size(g.weight_shape[1:]).numel()
-        got = _dense_numel(w)
-        if got != numel:
-            what = f"patch of {got} elements" if got is not None else "patch whose factors do not combine"
-            raise LoRAShapeError(f"{what} does not fit layer {name!r} "
-                                 f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
-                                 remedy="the adapter was trained for another model or model size")
-    if isinstance(w, LoKr):
-        _check_lokr_kernel(adapter, name, g, patch)
-    if w is not None and patch.dora_scale is not None:
-        _check_magnitude(adapter, name, g, patch, size)
-
-
-def _check_magnitude(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, size: int) -> None:
-    """A DoRA magnitude holds one value per output row, or one per input channel (LyCORIS's `wd_on_output=False`),
-    as `patches.dora_delta` reads it; any other is refused."""
-    m = patch.dora_scale
-    inputs = g.weight_shape[1] if len(g.weight_shape) > 1 else None
-    if (m.dim() and m.shape[0] == size and m.numel() == size) or (inputs is not None and m.numel() == inputs):
-        return
-    per_input = f" nor one per input ({inputs})" if inputs is not None else ""
-    raise LoRAShapeError(f"DoRA magnitude {tuple(m.shape)!r} does not fit layer {name!r} (weight "
-                         f"{tuple(g.weight_shape)!r}): it holds neither one value per output ({size}){per_input}",
-                         path=adapter.path, key=patch.key,
-                         remedy="the adapter was trained for another model or model size, or its file is damaged")
-
-
-def _check_lokr_kernel(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch) -> None:
-    """A conv LoKr's low-rank W2 without a Tucker core, W2a·W2b [c, n], holds the kernel as LyCORIS writes it:
-    n = d·k, d of the layer's input channels and k its kernel positions."""
-    w = patch.weight
-    kernel = math.prod(g.kernel)
-    if not g.conv_dims or w.w2 is not None or w.t2 is not None or w.w2b.dim() < 1:
-        return
-    width = w.w2b[0].numel()
-    if width % kernel:
-        raise LoRAShapeError(f"LoKr W2 = lokr_w2_a·lokr_w2_b has {width} columns, not a whole number of layer "
-                             f"{name!r}'s kernel of {kernel} positions (weight {tuple(g.weight_shape)!r})",
-                             path=adapter.path, key=patch.key,
-                             remedy="the file is not a LoKr layout this layer can take (LyCORIS writes W2's columns "
-                             "as input channels × kernel); re-export it for this model")
-
-
-def _glora_reading(patch: LayerPatch, g: Geometry, out_slice: tuple[int, int] | None) -> LayerPatch:
-    """A GLoRA whose factors both of LyCORIS's layouts read (`lycoris.parse_glora`) in the reading that fits the
-    layer: the first, unless only its alternate does."""
-    w = patch.weight
-    if not isinstance(w, Glora) or w.alternate is None:
-        return patch
-    size = out_slice[1] if out_slice else g.out_features
-    return patch if _glora_fits(w, g, size) or not _glora_fits(w.alternate, g, size) else \
-        replace(patch, weight=w.alternate)
-
-
-def _glora_fits(w: Glora, g: Geometry, size: int) -> bool:
-    """B1 [size, rb] and B2 [rb, in·k] make the layer's ΔW, and A1 [n, ra], A2 [ra, n] mix its flattened inputs or,
-    on a conv, its input channels."""
-    inputs = g.weight_shape[1:].numel()
-    mixes = (inputs, g.weight_shape[1]) if g.conv_dims else (inputs,)
-    n = w.a1.shape[0]
-    return (w.b1.shape[0] == size and w.b1.shape[1] == w.b2.shape[0] and w.b2[0].numel() == inputs and n in mixes
-            and tuple(w.a2.shape) == (w.a1.shape[1], n))
-
-
-def _check_glora(adapter: Adapter, name: str, g: Geometry, patch: LayerPatch, size: int) -> None:
-    w = patch.weight
-    if not _glora_fits(w, g, size):
-        shapes = ", ".join(f"{k} {tuple(getattr(w, k).shape)!r}" for k in ("a1", "a2", "b1", "b2"))
-        raise LoRAShapeError(f"GLoRA factors ({shapes}, as the current layout names them) do not fit layer {name!r} "
-                             f"(weight {tuple(g.weight_shape)!r})", path=adapter.path, key=patch.key,
-                             remedy="the adapter was trained for another model or model size")
-
-
-def _dense_numel(w) -> int | None:
-    """Elements of the ΔW that `w.delta` would build, from shapes alone; None when they do not combine."""
-    if isinstance(w, LoHa):
-        s1, s2 = _product_shape(w.w1a, w.w1b, w.t1), _product_shape(w.w2a, w.w2b, w.t2)
-        return math.prod(s1) if s1 is not None and s1 == s2 else None  # equal shapes: no broadcasting
-    if isinstance(w, LoKr):
-        w1_2d = w.w1a is not None and w.w1b is not None and w.w1a.dim() == 2 and w.w1b.dim() == 2  # plain `@`
-        n1 = w.w1.numel() if w.w1 is not None else _numel(_product_shape(w.w1a, w.w1b, None)) if w1_2d else None
-        n2 = w.w2.numel() if w.w2 is not None else _numel(_product_shape(w.w2a, w.w2b, w.t2))
-        return n1 * n2 if n1 is not None and n2 is not None else None  # kron: the product of both sizes
-    return w.diff.numel()
-
-
-def _numel(shape: tuple[int, ...] | None) -> int | None:
-    return math.prod(shape) if shape is not None else None
-
-
-def _product_shape(a: torch.Tensor | None, b: torch.Tensor | None, t: torch.Tensor | None) -> tuple[int, ...] | None:
-    """The shape of `patches._rebuild(a, b, t)`, or None when the factors do not combine."""
-    if a is None or b is None or a.dim() < 1 or b.dim() < 1:
-        return None
-    if t is None:  # flat(a) @ flat(b)
-        if math.prod(a.shape[1:]) != b.shape[0]:
-            return None
-        return (a.shape[0], math.prod(b.shape[1:]))
-    # einsum "ij...,jr,ip->pr...": t [i, j, *k], b [j, r], a [i, p]
-    if t.dim() < 2 or a.dim() != 2 or b.dim() != 2 or t.shape[0] != a.shape[0] or t.shape[1] != b.shape[0]:
-        return None
-    return (a.shape[1], b.shape[1], *t.shape[2:])
 
 
 def _balanced(down: torch.Tensor, up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor] | None:

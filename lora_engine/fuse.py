@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from .adapter import Adapter
-from .binding import MatchReport, bind
+from .binding import bind
 from .errors import FuseError, LoRAError, NonFiniteError
 from .keymap import KeyMap
 from .patches import finite
+from .report import MatchReport
 
 log = logging.getLogger("lora_engine")
 

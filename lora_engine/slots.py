@@ -33,10 +33,11 @@ from torch import nn
 
 from . import writes
 from .adapter import Adapter
-from .binding import Binding, MatchReport, bind
+from .binding import Binding, bind
 from .errors import LoRAShapeError, NonFiniteError, ShapingError, SlotLimitError
 from .keymap import KeyMap
 from .layer import LayerSlots, Rows
+from .report import MatchReport
 from .schedule import Schedule
 
 Strength = float | Sequence[float] | torch.Tensor

@@ -19,7 +19,7 @@ def test_engine_imports_without_comfy():
                     raise ImportError('blocked: ' + name)
         sys.meta_path.insert(0, Block())
         import lora_engine
-        from lora_engine import formats, cache, slots, runtime, fuse, binding, keymap, reader
+        from lora_engine import patches, cache, slots, runtime, fuse, binding, keymap, reader
         assert not any(m.split('.')[0] in ('comfy', 'comfy_api', 'folder_paths') for m in sys.modules)
         print('ok')
     """)

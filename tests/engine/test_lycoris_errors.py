@@ -76,8 +76,8 @@ def test_a_conv_lokr_whose_low_rank_w2_cannot_hold_the_kernel(tmp_path):
                "lycoris_conv_in.lokr_w2_b": torch.randn(2, 3, generator=g)}
     path = lycoris_file(tmp_path, Case("lokr", {"algo": "lokr"}, dim=2), changes)
     assert tuple(load_file(path)["lycoris_conv_in.lokr_w2_a"].shape) == (8, 2)
-    refused_everywhere(path, LoRAShapeError, "has 3 columns, not a whole number of layer 'conv_in''s kernel of 9",
-                       "lycoris_conv_in")
+    refused_everywhere(path, LoRAShapeError,
+                       "has 3 columns, not a whole number of kernels of 9 positions of layer 'conv_in'", "lycoris_conv_in")
 
 
 def test_a_glora_on_a_grouped_conv(tmp_path):

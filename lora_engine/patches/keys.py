@@ -1,3 +1,5 @@
+"""Key helpers that every algorithm's parser shares: prefixes, alphas, scales, and the file's PEFT metadata."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +9,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import LoRAFormatError, NonFiniteError
-from ..patches import LayerPatch
+from ..errors import LoRAShapeError, NonFiniteError
 
 
 def prefixes(tensors: dict[str, torch.Tensor], suffix: str) -> list[str]:
     return [k[: -len(suffix)] for k in tensors if k.endswith(suffix) and len(k) > len(suffix)]
+
+
+def pop(tensors: dict[str, torch.Tensor], key: str, consumed: list[str]) -> torch.Tensor | None:
+    """The tensor under `key`, taken out of `tensors` and its key added to `consumed`; None where there is none."""
+    t = tensors.pop(key, None)
+    if t is not None:
+        consumed.append(key)
+    return t
 
 
 def pop_alpha(tensors: dict[str, torch.Tensor], prefix: str, consumed: list[str]) -> float | None:
@@ -23,23 +32,30 @@ def pop_alpha(tensors: dict[str, torch.Tensor], prefix: str, consumed: list[str]
     return float(t.float().reshape(-1)[0]) if t.numel() else None
 
 
+def complete(tensors: dict[str, torch.Tensor], parts: tuple[str, ...]):
+    """(prefix, the keys consumed, the tensors of `parts`) for each prefix that has every one of `parts`, which
+    are popped."""
+    for prefix in prefixes(tensors, "." + parts[0]):
+        if all(f"{prefix}.{p}" in tensors for p in parts):
+            consumed: list[str] = []
+            yield prefix, consumed, tuple(pop(tensors, f"{prefix}.{p}", consumed) for p in parts)
+
+
+def check_matrices(named: dict[str, torch.Tensor | None], path: str, prefix: str) -> None:
+    """Factors are non-empty matrices, or a conv's kernels (LyCORIS writes no other); a scalar or an empty factor
+    would fail later with an untyped error, or divide by a zero rank."""
+    for part, t in named.items():
+        if t is not None and (t.dim() < 2 or t.numel() == 0):
+            raise LoRAShapeError(f"{part} {tuple(t.shape)!r} is not a non-empty matrix", path=path,
+                                 key=f"{prefix}.{part}", remedy="the file is corrupt; re-export it")
+
+
 def finite_scale(scale: float, path: str, key: str) -> float:
     """`scale`, or a `NonFiniteError`: an F64 alpha of 1e300 is finite in the file but not as a scale."""
     if not math.isfinite(scale):
         raise NonFiniteError(f"the layer's scale (alpha / rank) is {scale}", path=path, key=key,
                              remedy="the file's alpha is broken; re-export it")
     return scale
-
-
-def layer(layers: dict[str, LayerPatch], prefix: str, fmt: str, path: str) -> LayerPatch:
-    """The layer entry for `prefix`; a second weight patch for one prefix is an error."""
-    entry = layers.get(prefix)
-    if entry is None:
-        entry = layers[prefix] = LayerPatch(key=prefix, format=fmt)
-    elif entry.weight is not None:
-        raise LoRAFormatError(f"two weight patches ({entry.format} and {fmt}) target one layer", path=path,
-                              key=prefix, remedy="the file mixes formats for one layer; re-export it")
-    return entry
 
 
 PEFT_META_KEY = "lora_adapter_metadata"
