@@ -20,7 +20,8 @@ from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
 from .schedule import Schedule
-from .slots import Activation, Entry, SlotBank, all_banks, occupancies
+from .slots import Activation, SlotBank, all_banks, occupancies
+from .strengths import Entry
 
 __all__ = [
     "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "Entry", "FileIdentity", "FuseError",

@@ -30,7 +30,7 @@ from .patches import Boft, Glora, LayerPatch, LoHa, LoKr, LowRank, Oft, absmax
 from .runtime import Kron
 
 if TYPE_CHECKING:
-    from .writes import SlotCopies
+    from .copies import SlotCopies
 
 
 @dataclass(frozen=True)
