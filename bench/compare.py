@@ -310,7 +310,8 @@ def main() -> int:
             reset()
 
             def ours_clone(strength_last):
-                return bridge.apply_stack(base, None, adapters[:k], ones[:-1] + [strength_last], [0.0] * k, k)[0]
+                stack = [bridge.StackEntry(a, s, 0.0) for a, s in zip(adapters[:k], ones[:-1] + [strength_last])]
+                return bridge.apply_stack(base, None, stack, k)[0]
 
             held = [ours_clone(1.0)]
             mm.load_models_gpu(held)

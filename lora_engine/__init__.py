@@ -21,7 +21,8 @@ from .keymap import KeyMap, Target
 from .reader import read_header
 from .report import MatchReport
 from .schedule import Schedule
-from .slots import Activation, Entry, SlotBank, all_banks, occupancies
+from .slots import Activation, SlotBank, all_banks, occupancies
+from .strengths import Entry
 
 __all__ = [
     "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "EngineError", "Entry", "FileIdentity",

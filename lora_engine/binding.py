@@ -32,7 +32,7 @@ from .runtime import Kron
 
 
 class Copies(Protocol):
-    """Where `ModulePlan.write_factors` queues the copies of stored factors into slot rows (`writes.SlotCopies`)."""
+    """Where `ModulePlan.write_factors` queues the copies of stored factors into slot rows (`copies.SlotCopies`)."""
 
     def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> None:
         """Copy `src` into `dst`, times `scale` once copied."""

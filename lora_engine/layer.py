@@ -21,9 +21,8 @@ dense or bias slots a layer holds does.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,20 +30,20 @@ from torch import nn
 from . import runtime
 from .binding import Geometry, ModulePlan
 from .errors import ShapingError
-
-if TYPE_CHECKING:
-    from .slots import SlotBank
+from .strengths import Owner, Strengths
 
 
 class LayerSlots:
-    """One layer's buffers and its forward hook."""
+    """One layer's buffers and its forward hook. It reads its bank's strength table (`strengths.Strengths`) and
+    what it shares of the bank (`strengths.Owner`), never the bank."""
 
-    def __init__(self, bank: SlotBank, name: str, module: nn.Module):
-        self._bank = weakref.ref(bank)  # weak: the module holds this layer's hook (`SlotBank.root`)
+    def __init__(self, table: Strengths, name: str, module: nn.Module):
+        self.table = table
+        self.owner: Owner = table.owner
         self.name = name
         self.geometry = Geometry.of(module)
-        self.n = bank.max_loras
-        self.dtype = bank.dtype
+        self.n = table.n
+        self.dtype = self.owner.dtype
         self.rank = 0
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
@@ -54,19 +53,13 @@ class LayerSlots:
         self.dense: dict[int, torch.Tensor | runtime.Kron] = {}  # ΔW, or a LoKr's factors (`runtime.Kron`)
         self.bias: dict[int, torch.Tensor] = {}
         self.stacked: tuple = NOTHING_STACKED  # the dense and bias slots as the compiled path reads them (`stack`)
-        self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights; None: all 1
-        self.factor_host: torch.Tensor | None = None  # the same on the host, to find the live slots
+        self.factor: torch.Tensor | None = None  # [N] or [batch, N] layer weights as the table holds them; None: all 1
         self.cached_scale: _Scale | None = None
         self.rows: Rows | None = None  # the low-rank rows computed at each step (None: no live low-rank slot)
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
         self.idle = True  # no live slot at all
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
-
-    @property
-    def bank(self) -> SlotBank | None:
-        """The bank that holds this layer; None once it has been freed (its hook then does nothing)."""
-        return self._bank()
 
     @property
     def hi(self) -> int:
@@ -86,42 +79,41 @@ class LayerSlots:
         return dense + sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def _hook(self, module, args, kwargs, out):
-        bank = self.bank
-        if bank is None:
-            return None
+        table = self.table
         compiling = torch.compiler.is_compiling()
         # Under torch.compile the layer is skipped only when it has no buffers at all (see `_compiled`).
-        skip = (self.a is None and self.stacked is NOTHING_STACKED) if compiling else (bank.all_zero or self.idle)
-        if not bank.active:
-            if bank.release_when_idle is not None and not compiling:
-                bank.release_when_idle()  # the model runs without the stack that no one carries any more
+        skip = (self.a is None and self.stacked is NOTHING_STACKED) if compiling else (table.all_zero or self.idle)
+        if not table.active:
+            release = self.owner.release_when_idle
+            if release is not None and not compiling:
+                release()  # the model runs without the stack that no one carries any more
             return None
         if skip:
             return None
         x = args[0] if args else next(iter(kwargs.values()))
-        if bank.scale.dim() == 2 and bank.call_rows is not None and x.shape[0] != bank.call_rows:
-            self._mixed_items(bank, x.shape[0])
-        if x.device != bank.device:
-            bank.to(x.device)
+        if table.scale.dim() == 2 and table.call_rows is not None and x.shape[0] != table.call_rows:
+            self._mixed_items(x.shape[0])
+        if x.device != self.owner.device:
+            self.owner.follow(x.device)
         if compiling:
             return self._compiled(module, x, out)
         rows = self.rows
         if self.factor is None:
-            scale = bank.scale
-            columns = None if rows is None else bank.column_scale(rows)
+            scale = table.scale
+            columns = None if rows is None else table.column_scale(rows)
         else:
             scale, columns = self.weighted_scale()
         if rows is None:
             return runtime.apply(self, module, x, out, scale, dead=self.dead)
         return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
 
-    def _mixed_items(self, bank: SlotBank, rows: int) -> None:
+    def _mixed_items(self, rows: int) -> None:
         """Per-item strengths are taken row by row from an input's first axis, which a layer such as a mixture of
         experts' (HiDream's, which routes tokens flattened over the batch) or a pooler that puts the sequence first
         does not lay out by item: refused, where strengths would otherwise go to other items' tokens."""
-        raise ShapingError(f"layer {self.name!r} of {bank.model_name} takes an input of {rows} rows in a model call "
-                           f"of {bank.call_rows} items: it mixes the items of the batch, so per-item LoRA strengths "
-                           "(a LoRAStrengthGrid, a conditioning's strengths) cannot reach it",
+        raise ShapingError(f"layer {self.name!r} of {self.owner.model_name} takes an input of {rows} rows in a model "
+                           f"call of {self.table.call_rows} items: it mixes the items of the batch, so per-item LoRA "
+                           "strengths (a LoRAStrengthGrid, a conditioning's strengths) cannot reach it",
                            remedy="give this layer a block weight of 0 in the LoRAs that reach it, or use one "
                                   "strength for every item")
 
@@ -131,7 +123,7 @@ class LayerSlots:
         shapes, not which strengths are 0 or which slots are in use, so that no slider move, swap, release or
         newcomer of a rank the slots hold recompiles it; nor does it read the eager path's caches, whose checks
         would be guarded too."""
-        scale = self.bank.scale if self.factor is None else self.bank.scale * self.factor
+        scale = self.table.scale if self.factor is None else self.table.scale * self.factor
         if self.a is None:
             return runtime.apply(self, module, x, out, scale, stacked=self.stacked)
         return runtime.apply(self, module, x, out, scale, self.a, self.b, scale.repeat_interleave(self.rank, -1),
@@ -140,14 +132,17 @@ class LayerSlots:
     def weighted_scale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the
         first step after a strength change, not at every step."""
-        gen = self.bank.generation
+        gen = self.table.generation
         if self.cached_scale is None or self.cached_scale.generation != gen:
-            scale = self.bank.scale * self.factor
+            scale = self.table.scale * self.factor
             self.cached_scale = _Scale(gen, scale, None if self.rows is None else self.rows.columns(scale))
         return self.cached_scale.scale, self.cached_scale.columns
 
-    def set_live(self, live: list[bool]) -> None:
-        """Which slots to compute, from `live[slot]`: the slot's strength is not 0 for some item."""
+    def set_live(self, table: Strengths) -> None:
+        """Which slots to compute, and this layer's factors, as the table has them: a slot is live where its
+        strength (times the factor) is not 0 for some item."""
+        live = table.live_of(self.name)
+        self.factor = table.factor_of(self.name)
         lr = sorted(s for s in self.lr_used if live[s])
         extra = set(self.dense) | set(self.bias)
         self.dead = {s for s in extra if not live[s]}
@@ -162,7 +157,7 @@ class LayerSlots:
         if not self.dense and not self.bias:
             self.stacked = NOTHING_STACKED
             return
-        dev = device or self.bank.device
+        dev = device or self.owner.device
         dense, bias = sorted(self.dense.items()), sorted(self.bias.items())
         self.stacked = (tuple(t for _, t in dense), torch.tensor([s for s, _ in dense], device=dev),
                         tuple(t for _, t in bias), torch.tensor([s for s, _ in bias], device=dev))
@@ -172,7 +167,7 @@ class LayerSlots:
         the activation writes or scrubs each of them before the next forward."""
         if rank <= self.rank:
             return
-        g, dev = self.geometry, self.bank.device
+        g, dev = self.geometry, self.owner.device
         first = self.a is None
         new = _unfilled if first else torch.zeros
         a = new((self.n * rank, g.in_features, *g.kernel), dtype=self.dtype, device=dev)
@@ -184,7 +179,7 @@ class LayerSlots:
         self.dirty = set(range(self.n)) - self.lr_used if first else set()
         self.rank = rank
         self._buffers(a, b)
-        self.bank.reallocations += 1
+        self.owner.reallocations += 1
 
     def resize(self, n: int) -> None:
         """`n` slots of the current rank. More slots reallocate the buffers: the current ones are copied into
@@ -202,7 +197,7 @@ class LayerSlots:
                 b[:, :held].copy_(self.b)
                 b[:, held:].zero_()
                 self._buffers(a, b)
-                self.bank.reallocations += 1
+                self.owner.reallocations += 1
             if self.rows is not None:
                 self.rows = self.rows.to(self)  # its views would keep the old buffers alive
         self.n = n
@@ -271,8 +266,7 @@ class LayerSlots:
         self.dense = {k: v.to(device) for k, v in self.dense.items()}
         self.bias = {k: v.to(device) for k, v in self.bias.items()}
         self.stack(device)
-        if self.factor is not None:
-            self.factor = self.factor.to(device)
+        self.factor = self.table.factor_of(self.name)  # moved with the table
         self.cached_scale = None
         self.rows = None if self.rows is None else self.rows.to(self)
 
@@ -283,7 +277,7 @@ class Rows:
     of each slot they hold, in order. Either views of the slot buffers' first hi slots, padding and dead slots
     included, or, when those would leave a quarter or more of their rows empty, a packed copy of the live slots'
     filled rows alone (`packed`). The strengths are expanded to the Σr columns once per change
-    (`SlotBank.column_scale`), so a step scales them in one operation."""
+    (`Strengths.column_scale`), so a step scales them in one operation."""
 
     key: tuple[tuple[int, int], ...]
     a: torch.Tensor
@@ -321,7 +315,7 @@ class Rows:
 
 
 class _Scale(NamedTuple):
-    """A layer's strengths for one `bank.generation`: the scale times the layer's factor, and that expanded to its
+    """A layer's strengths for one `Strengths.generation`: the scale times the layer's factor, and that expanded to its
     rows' columns (None without rows)."""
 
     generation: int

@@ -44,7 +44,7 @@ class LoRAConditioningStrengths:
             items = entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        shaped = [e.name for e in items if e.shaping() is not None]
+        shaped = [e.name for e in items if e.shaped]
         if shaped:
             raise ValueError(f"{', '.join(shaped)}: a schedule or block weights on a conditioning's stack is not "
                              "used; put it on the entry of the model's stack (it shapes the strength set here too)")

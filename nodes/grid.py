@@ -118,10 +118,9 @@ class LoRAStrengthGrid:
             table = spec.table(start, stop)
             schedules = spec.shaped_table(start, stop, "schedule", own_schedules)
             blocks = spec.shaped_table(start, stop, "blocks", own_blocks)
-            shaping = [None if s is None and b is None else bridge.Shaping(s, b, own)
-                       for s, b, own in zip(schedules, blocks, own_blocks)]
-            m, c = bridge.apply_stack(model, clip, adapters, table, [e.strength_clip for e in items], 0,
-                                      shaping)
+            stack = [bridge.StackEntry(a, strength, e.strength_clip, s, b, own) for a, e, strength, s, b, own
+                     in zip(adapters, items, table, schedules, blocks, own_blocks)]
+            m, c = bridge.apply_stack(model, clip, stack)
             models.append(m)
             new_clip = c
             n = stop - start

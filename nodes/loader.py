@@ -52,7 +52,4 @@ class MultiLoRALoader:
         if not items:
             return (model, clip)
         adapters = bridge.load_loras([e.name for e in items])
-        new_model, new_clip = bridge.apply_stack(
-            model, clip, adapters, [e.strength_model for e in items], [e.strength_clip for e in items],
-            max_loras, [e.shaping() for e in items])
-        return (new_model, new_clip)
+        return bridge.apply_stack(model, clip, [e.loaded(a) for e, a in zip(items, adapters)], max_loras)

@@ -32,10 +32,14 @@ class Entry:
     schedule: Schedule | None = None
     blocks: BlockWeights | None = None
 
-    def shaping(self) -> bridge.Shaping | None:
-        if self.schedule is None and self.blocks is None:
-            return None
-        return bridge.Shaping(self.schedule, self.blocks)
+    @property
+    def shaped(self) -> bool:
+        """The entry has a schedule or block weights."""
+        return self.schedule is not None or self.blocks is not None
+
+    def loaded(self, adapter) -> bridge.StackEntry:
+        """This entry with its LoRA loaded, as the bridge applies it."""
+        return bridge.StackEntry(adapter, self.strength_model, self.strength_clip, self.schedule, self.blocks)
 
     def with_shaping(self, **changes) -> Entry:
         return replace(self, **changes)
@@ -120,7 +124,7 @@ class Stack(list):
 def as_stack(items: list[Entry], left_out: bool = False) -> list[tuple[str, float, float]]:
     """The LORA_STACK of `items`. `left_out`: the node that makes it added no entry of its own, being
     disabled, so a shaping node meant for "the one just added" (its entry empty) has nothing to shape."""
-    out = Stack((e.name, e.strength_model, e.strength_clip) if e.shaping() is None else
+    out = Stack((e.name, e.strength_model, e.strength_clip) if not e.shaped else
                 StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks) for e in items)
     out.last_left_out = left_out
     return out

@@ -16,7 +16,7 @@ The nodes call it as one module, `bridge.apply_stack(...)`; the names below are 
 
 from __future__ import annotations
 
-from .apply import Shaping, apply_stack
+from .apply import StackEntry, apply_stack
 from .bake import (
     SAFETENSORS,
     bake,
@@ -36,7 +36,7 @@ from .models import TEXT_ENCODER_LAYER, reaches_model, reports
 from .status import cells_that_fit, loaded_models, server_routes
 
 __all__ = [
-    "SAFETENSORS", "TEXT_ENCODER_LAYER", "Shaping", "applied", "apply_stack", "bake", "bake_path", "bake_target",
+    "SAFETENSORS", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "bake", "bake_path", "bake_target",
     "cells_that_fit", "check_interrupt", "file_state", "filenames", "load_lora", "load_loras", "load_unet",
     "loaded_models", "lora_names", "progress", "reaches_model", "refuse_quantized", "reports", "resolve",
     "server_routes", "stored_weights", "unet_keymap", "unet_options",

@@ -12,7 +12,7 @@ from lora_engine.binding import no_match
 from lora_engine.blocks import BlockWeights, layer_weights, layout
 from lora_engine.errors import ShapingError
 from lora_engine.schedule import Schedule
-from lora_engine.slots import Entry, merge
+from lora_engine.strengths import Entry, Request
 
 from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use
 from .models import binding_of, log_once, match_report, unhookable_keys, warn_fused
@@ -28,11 +28,15 @@ def _strength(value) -> float | tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class Shaping:
-    """An entry's schedule and block weights, each one value or one per batch item (a tuple). Where the block
-    weights are one per item (a grid axis varies them), the BASE of `clip_blocks`, the entry's own, scales its
-    CLIP strength."""
+class StackEntry:
+    """One LoRA of a stack as a node gives it to `apply_stack`: the adapter; its model strength, one number or one
+    per batch item (a grid's cells; a list or tuple); its CLIP strength; its schedule and block weights, each one
+    value or one per batch item (a tuple). Where the block weights are one per item (a grid axis varies them), the
+    BASE of `clip_blocks`, the entry's own, scales its CLIP strength."""
 
+    adapter: Adapter
+    strength_model: float | Sequence[float]
+    strength_clip: float
     schedule: Schedule | tuple[Schedule | None, ...] | None = None
     blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
     clip_blocks: BlockWeights | None = None
@@ -57,30 +61,27 @@ def resolve_blocks(adapter: Adapter, spec: BlockWeights, root, binding) -> tuple
     return base, layer_weights(layers, base, per_block)
 
 
-def _model_shaping(adapter, shaping: Shaping | None, root, binding):
+def _model_shaping(entry: StackEntry, root, binding):
     """The engine's schedule and layer weights for one entry, and the BASE multiplier for its CLIP."""
-    if shaping is None:
-        return None, None, 1.0
-    blocks = shaping.blocks
+    adapter, blocks = entry.adapter, entry.blocks
     if blocks is None:
-        return shaping.schedule, None, 1.0
+        return entry.schedule, None, 1.0
     if isinstance(blocks, tuple):
         resolved = [None if b is None else resolve_blocks(adapter, b, root, binding) for b in blocks]
-        own = shaping.clip_blocks
+        own = entry.clip_blocks
         base = 1.0 if own is None else resolve_blocks(adapter, own, root, binding)[0]
-        return shaping.schedule, tuple(None if r is None else r[1] for r in resolved), base
+        return entry.schedule, tuple(None if r is None else r[1] for r in resolved), base
     base, weights = resolve_blocks(adapter, blocks, root, binding)
-    return shaping.schedule, weights, base
+    return entry.schedule, weights, base
 
 
-def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, strengths_clip: list, max_loras: int,
-                shaping: Sequence[Shaping | None] | None = None):
-    """The MODEL and CLIP clones for one stack. A model strength may be a list: one value per batch item
-    (the CLIP's per-item strengths are not supported). `shaping` holds each entry's schedule and block
-    weights; the text encoder gets an entry's BASE block weight as a factor on its strength, and no
-    schedule. A LoRA in the stack more than once takes one slot, at the sum of its strengths; `max_loras`
-    0 sizes the slots to the stack's distinct LoRAs. Raises before returning anything on any bad entry."""
-    distinct = {id(a): a for a in adapters}
+def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
+    """The MODEL and CLIP clones for one stack. A model strength may be one value per batch item (the CLIP's
+    per-item strengths are not supported). The text encoder gets an entry's BASE block weight as a factor on its
+    strength, and no schedule. A LoRA in the stack more than once takes one slot, at the sum of its strengths;
+    `max_loras` 0 sizes the slots to the stack's distinct LoRAs. Raises before returning anything on any bad
+    entry."""
+    distinct = {id(e.adapter): e.adapter for e in stack}
     if max_loras and len(distinct) > max_loras:
         names = ", ".join(a.name for a in distinct.values())
         raise SlotLimitError(f"the stack has {len(distinct)} LoRAs ({names}) but max_loras is {max_loras}",
@@ -88,10 +89,10 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
     max_loras = max_loras or len(distinct)
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
-    shaping = list(shaping) if shaping is not None else [None] * len(adapters)
     model_entries, clip_entries = [], []
     roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
-    for adapter, sm, sc, shape in zip(adapters, strengths_model, strengths_clip, shaping):
+    for entry in stack:
+        adapter = entry.adapter
         on_model = binding_of(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
         on_clip = binding_of(adapter, clip_root, "clip") if clip_root is not None else None
         unbound = [r for r, b in zip(roots, (on_model, on_clip)) if b is None]
@@ -100,12 +101,12 @@ def apply_stack(model, clip, adapters: list[Adapter], strengths_model: list, str
             raise no_match(f"{adapter.name} matches no layer of {target}", adapter,
                            sorted(unhookable_keys(adapter.layers, roots)))
         log_once(adapter, unet_root, match_report(adapter, on_model, on_clip, clip_root is not None, unbound))
-        warn_fused(adapter, unet_root, sm)
-        schedule, weights, base = _model_shaping(adapter, shape, unet_root, on_model)
+        warn_fused(adapter, unet_root, entry.strength_model)
+        schedule, weights, base = _model_shaping(entry, unet_root, on_model)
         if on_model is not None:
-            model_entries.append(Entry(adapter, _strength(sm), schedule, weights))
+            model_entries.append(Entry(adapter, _strength(entry.strength_model), schedule, weights))
         if on_clip is not None:
-            clip_entries.append(Entry(adapter, _strength(sc) * base))
+            clip_entries.append(Entry(adapter, _strength(entry.strength_clip) * base))
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet")
@@ -125,11 +126,13 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     before = injection_of(patcher)
     prior = before.stack if before is not None else None
     merged = list(prior.entries) + entries if prior else entries
-    merge(merged)  # the engine's rules for a LoRA listed twice, over chained loaders too: raised here, not at sampling
-    slots = max(slots, prior.slots if prior else 0, len({id(e.adapter) for e in merged}))
+    # Where the stack enters the engine: merged and checked once, over chained loaders too (a LoRA listed twice, a
+    # strength that is not finite), raised here, not at sampling; each activation takes the request as it is.
+    request = Request.of(merged)
+    slots = max(slots, prior.slots if prior else 0, len(request.entries))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
-    injection = StackInjection(Stack(tuple(merged), slots, kind), merges, root)
+    injection = StackInjection(Stack(tuple(merged), slots, kind, request), merges, root)
     track_use(root if root is not None else clone.model, injection)
     clone.set_injections(INJECTION_KEY, [injection])
     detach = comfy.patcher_extension.CallbacksMP.ON_DETACH

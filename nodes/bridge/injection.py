@@ -13,7 +13,7 @@ import comfy.patcher_extension
 import torch
 
 from lora_engine import Adapter, SlotBank, all_banks
-from lora_engine.slots import Entry
+from lora_engine.strengths import Entry, Request
 
 from .models import bank_of
 
@@ -24,11 +24,13 @@ INJECTION_KEY = "multilora"
 
 @dataclass(frozen=True)
 class Stack:
-    """What one clone runs with: the engine entries and the slot count to hold them."""
+    """What one clone runs with: the engine entries as its loaders gave them, the slot count to hold them, and the
+    request each activation takes (the entries merged and checked, `Request`)."""
 
     entries: tuple[Entry, ...]  # a tuple strength: one strength per batch item
     slots: int
     kind: str  # "unet" or "clip"
+    request: Request
 
 
 def merge_patches(patcher) -> int:
@@ -80,7 +82,7 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
         root = self._root(patcher)
         track_use(root, self)
         bank = bank_of(patcher, root, self.stack.kind, self.stack.slots)
-        bank.activate(self.stack.entries)
+        bank.activate(self.stack.request)
         bank.__dict__[ACTIVATED_BY] = weakref.ref(patcher)
         if TORCH_COMPILE_KWARGS in patcher.model_options:
             recompile_for_new_hooks(bank)

@@ -84,7 +84,7 @@ def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkey
     rounded from fp32 once, from the moved buffer too), the scales of B are applied in one call for the dense
     blocks and one for a conv's columns, and a buffer far larger than what is read from it is not moved."""
     import lora_engine.adapter as adapter_module
-    import lora_engine.writes as writes
+    import lora_engine.copies as copies_module
     model = lf.tiny().to(model_dtype)
     x = lf.tiny_input().to(model_dtype)
     tensors = lf.lora_tensors(lf.tiny(), "kohya", 9, rank=4, alpha=3.0)
@@ -107,14 +107,15 @@ def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkey
 
     copies, scalings = [], []
     foreach_copy, foreach_mul = torch._foreach_copy_, torch._foreach_mul_
-    monkeypatch.setattr(writes.SlotCopies, "_crossing", lambda self: True)
+    monkeypatch.setattr(copies_module.SlotCopies, "_crossing", lambda self: True)
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src, **kw: copies.append(len(dst)) or
                         foreach_copy(dst, src, **kw))
     monkeypatch.setattr(torch, "_foreach_mul_", lambda ts, cs: scalings.append(
         sum(t.is_contiguous() or t.t().is_contiguous() for t in ts) in (0, len(ts))) or foreach_mul(ts, cs))
     groups = []
-    by_buffer = writes.SlotCopies._by_buffer
-    monkeypatch.setattr(writes.SlotCopies, "_by_buffer", lambda self: (groups.append(g) or g for g in by_buffer(self)))
+    by_buffer = copies_module.SlotCopies._by_buffer
+    monkeypatch.setattr(copies_module.SlotCopies, "_by_buffer",
+                        lambda self: (groups.append(g) or g for g in by_buffer(self)))
     bank = SlotBank(model, max_loras=2)  # two slots: a conv's slot B is columns of its row-major buffer
     bank.activate([(packed, 0.7)])
     assert len(groups) == len(buffers) and len(copies) <= 2 * len(groups), (len(groups), copies)
@@ -127,11 +128,11 @@ def test_slots_across_devices_take_each_host_buffer_in_one_copy(tmp_path, monkey
 
     for lp in packed.layers.values():  # each factor as a view of a copy of its buffer: the same values and layout
         for t in lp.tensors():
-            v = writes._view(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone(), t)
+            v = copies_module._view(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone(), t)
             assert torch.equal(v, t) and v.stride() == t.stride() and v.data_ptr() != t.data_ptr()
 
     big = torch.zeros(64, 64)  # one factor's worth read from a buffer 64 times its size: copied on its own
-    group = writes.SlotCopies()
+    group = copies_module.SlotCopies()
     group.add(torch.empty(2, 32), big[:1].view(2, 32))
     group.add(torch.empty(1, 8), big[2, :8].view(1, 8))
     assert [[s.data_ptr() == big.data_ptr() for _, s in c] for c, _ in group._by_buffer()] == [[True, False]]

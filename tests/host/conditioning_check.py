@@ -140,7 +140,7 @@ class Check:
         a = self.run.adapters["kohya"]
         cases = {"no_stack": self.run.base,
                  "not_held": self.run.ours(self.run.base, ["diffusers"], [1.0]),
-                 "grid": bridge.apply_stack(self.run.base, None, [a], [[0.0, 1.0]], [0.0], 1)[0]}
+                 "grid": bridge.apply_stack(self.run.base, None, [bridge.StackEntry(a, [0.0, 1.0], 0.0)], 1)[0]}
         out = {}
         for tag, model in cases.items():
             try:

@@ -185,9 +185,8 @@ class FamilyRun:
 
     def ours(self, case: Case) -> tuple:
         adapters = [self.files[layout][1] for layout, _ in case.entries]
-        strengths = [s for _, s in case.entries]
-        k = len(adapters)
-        clone = self.bridge.apply_stack(self.base, None, adapters, strengths, [0.0] * k, k)[0]
+        stack = [self.bridge.StackEntry(a, s, 0.0) for a, (_, s) in zip(adapters, case.entries)]
+        clone = self.bridge.apply_stack(self.base, None, stack, len(stack))[0]
         self.mm.load_models_gpu([clone])
         out = self.forward()
         bank = self.root.__dict__["_lora_engine_bank"]
@@ -214,8 +213,8 @@ class FamilyRun:
         try:
             for mod in real:
                 mod.bind = counting
-            k = len(adapters)
-            clone = self.bridge.apply_stack(self.base, None, adapters, strengths, [0.0] * k, k)[0]
+            stack = [self.bridge.StackEntry(a, s, 0.0) for a, s in zip(adapters, strengths)]
+            clone = self.bridge.apply_stack(self.base, None, stack, len(stack))[0]
             self.mm.load_models_gpu([clone])
         finally:
             for mod, fn in real.items():

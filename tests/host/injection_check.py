@@ -74,7 +74,8 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     cond = encode(clip)
     base = sample(model, cond)
     base_text = cond[0][0]
-    stacked, stacked_clip = bridge.apply_stack(model, clip, [ad["kohya"], ad["peft"]], [1.0, 1.0], [1.0, 1.0], 0)
+    both = [bridge.StackEntry(ad[k], 1.0, 1.0) for k in ("kohya", "peft")]
+    stacked, stacked_clip = bridge.apply_stack(model, clip, both)
     with_stack = sample(stacked, cond)
     with_stack_text = encode(stacked_clip)[0][0]
     assert not torch.equal(with_stack, base) and not torch.equal(with_stack_text, base_text)
@@ -105,7 +106,8 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     copies = bank.copies
     del stacked, stacked_clip  # as ComfyUI drops a changed node's output when the next prompt starts
     gc.collect()
-    moved, _ = bridge.apply_stack(model, None, [ad["kohya"], ad["peft"]], [0.5, 1.0], [1.0, 1.0], 0)
+    moved, _ = bridge.apply_stack(model, None, [bridge.StackEntry(ad["kohya"], 0.5, 1.0),
+                                                bridge.StackEntry(ad["peft"], 1.0, 1.0)])
     held = SlotBank.attached(model.model) is bank
     moved_out = sample(moved, cond)
     result["replaced_clone_stays_warm"] = held and bank.copies == copies and not torch.equal(moved_out, with_stack)
@@ -126,10 +128,10 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     finally:
         cache.configure(max_items=items)
 
-    first, _ = bridge.apply_stack(model, None, [ad["kohya"]], [1.0], [1.0], 0,
-                                  shaping=[bridge.Shaping(schedule=Schedule.parse("0:1.0, 0.5:0.0"))])
+    first, _ = bridge.apply_stack(model, None, [bridge.StackEntry(ad["kohya"], 1.0, 1.0,
+                                                                  schedule=Schedule.parse("0:1.0, 0.5:0.0"))])
     try:
-        bridge.apply_stack(first, None, [ad["kohya"]], [0.5], [1.0], 0)
+        bridge.apply_stack(first, None, [bridge.StackEntry(ad["kohya"], 0.5, 1.0)])
         result["chained_duplicate_refused"] = False
     except ShapingError as e:
         result["chained_duplicate_refused"] = "appears twice" in str(e)

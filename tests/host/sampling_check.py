@@ -190,10 +190,11 @@ class Run:
             model = self.stock(model, self.files[layout], strength)
         return model
 
-    def ours(self, model, layouts, strengths, shaping=None):
-        k = len(layouts)
-        return self.bridge.apply_stack(model, None, [self.adapters[lay] for lay in layouts], list(strengths),
-                                       [0.0] * k, k, shaping=shaping)[0]
+    def ours(self, model, layouts, strengths, schedules=None):
+        schedules = schedules or [None] * len(layouts)
+        stack = [self.bridge.StackEntry(self.adapters[lay], s, 0.0, schedule)
+                 for lay, s, schedule in zip(layouts, strengths, schedules)]
+        return self.bridge.apply_stack(model, None, stack, len(layouts))[0]
 
     def clones(self) -> dict:
         from lora_engine.schedule import Schedule
@@ -206,8 +207,8 @@ class Run:
         stock = self.stock_stack(self.base)
         s["stock"] = self.sample(stock)
         s["stock_fresh"] = self.sample(stock.clone(force_deepcopy=True))
-        shaping = [self.bridge.Shaping(schedule=Schedule.parse(SCHEDULE))] + [None] * (len(layouts) - 1)
-        sched = self.ours(self.base, layouts, strengths, shaping)
+        schedules = [Schedule.parse(SCHEDULE)] + [None] * (len(layouts) - 1)
+        sched = self.ours(self.base, layouts, strengths, schedules)
         s["sched"] = self.sample(sched)
         sched_fresh = sched.clone(force_deepcopy=True)
         s["sched_fresh"] = self.sample(sched_fresh)
@@ -285,7 +286,7 @@ class Run:
         plain, adapter = self.load(f"{tag}_plain.safetensors", sd)
         padded_path = self.write(f"{tag}_padded.safetensors", widened_by_hand(self.torch, sd, down_key, inputs))
         out = {f"{tag}_base": run(model),
-               f"{tag}_ours": run(self.bridge.apply_stack(model, None, [adapter], [1.0], [0.0], 1)[0]),
+               f"{tag}_ours": run(self.bridge.apply_stack(model, None, [self.bridge.StackEntry(adapter, 1.0, 0.0)])[0]),
                f"{tag}_padded": run(self.stock(model, padded_path, 1.0)),
                f"{tag}_stock": run(self.stock(model, plain, 1.0))}
         report = next(r for r in self.bridge.reports() if r["adapter"] == f"{tag}_plain.safetensors")
