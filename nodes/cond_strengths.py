@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from lora_engine import Adapter
-from lora_engine.errors import ConditioningStrengthError
+from ..lora_engine import Adapter
+from ..lora_engine.errors import ConditioningStrengthError
 
 KEY = "multilora_strengths"  # the key in a conditioning's model_conds, and the model call's keyword
 

@@ -26,8 +26,8 @@ import logging
 import os
 import threading
 
-from lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
-from lora_engine.adapter import file_fingerprint
+from ..lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
+from ..lora_engine.adapter import file_fingerprint
 
 from . import bridge
 from .stack import CATEGORY, STRENGTH, finite_strength, is_strength

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from lora_engine.errors import shown
+from ..lora_engine.errors import shown
 
 from . import bridge
 from .stack import CATEGORY, StackError, entries

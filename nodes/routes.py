@@ -7,8 +7,8 @@ import math
 
 from aiohttp import web
 
-from lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
-from lora_engine.layer import LayerSlots
+from ..lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
+from ..lora_engine.layer import LayerSlots
 
 from . import bridge
 from .distill import fusion_log

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lora_engine.errors import shown
+from ..lora_engine.errors import shown
 
 from . import bridge
 from .stack import (

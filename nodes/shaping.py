@@ -7,10 +7,10 @@ a per-layer factor for block weights. Nothing is re-patched, reloaded or recompi
 
 from __future__ import annotations
 
-from lora_engine.blocks import BlockWeights
-from lora_engine.errors import ShapingError, shown
-from lora_engine.grid import GridError, find_entry
-from lora_engine.schedule import MODES, Schedule
+from ..lora_engine.blocks import BlockWeights
+from ..lora_engine.errors import ShapingError, shown
+from ..lora_engine.grid import GridError, find_entry
+from ..lora_engine.schedule import MODES, Schedule
 
 from .stack import CATEGORY, StackError, as_stack, entries, is_strength, last_left_out
 

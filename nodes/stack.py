@@ -14,9 +14,9 @@ import numbers
 import re
 from dataclasses import dataclass, replace
 
-from lora_engine.blocks import BlockWeights
-from lora_engine.errors import shown
-from lora_engine.schedule import Schedule
+from ..lora_engine.blocks import BlockWeights
+from ..lora_engine.errors import shown
+from ..lora_engine.schedule import Schedule
 
 from . import bridge
 

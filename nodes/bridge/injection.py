@@ -12,8 +12,8 @@ import comfy.model_management
 import comfy.patcher_extension
 import torch
 
-from lora_engine import Adapter, SlotBank, all_banks
-from lora_engine.slots import Entry
+from ...lora_engine import Adapter, SlotBank, all_banks
+from ...lora_engine.slots import Entry
 
 from .models import bank_of
 

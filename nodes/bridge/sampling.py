@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from lora_engine import SlotBank
-from lora_engine.errors import ConditioningStrengthError
-from lora_engine.grid import GridError
-from lora_engine.schedule import step_progress
+from ...lora_engine import SlotBank
+from ...lora_engine.errors import ConditioningStrengthError
+from ...lora_engine.grid import GridError
+from ...lora_engine.schedule import step_progress
 
 from .. import cond_strengths
 from ..cond_strengths import CondBatch

@@ -135,7 +135,8 @@ class Check:
                         ("regions_ours", "regions_stock"), ("regions_keep", "regions_stock"))}
 
     def refusals(self) -> dict:
-        from lora_engine.errors import ConditioningStrengthError
+        from tools.comfy_inprocess import import_engine
+        ConditioningStrengthError = import_engine("errors").ConditioningStrengthError
         bridge = self.run.bridge
         a = self.run.adapters["kohya"]
         cases = {"no_stack": self.run.base,
