@@ -89,6 +89,7 @@ class LoRAStrengthGrid:
                     return str(e)
         return True
 
+    @bridge.host_errors
     def grid(self, model, lora_stack, latent, x_entry, x_values, y_entry, y_values, z_entry, z_values,
              max_batch, clip=None):
         try:
@@ -153,6 +154,7 @@ class LoRAGridImage:
             "grid": ("LORA_GRID", {"tooltip": "From LoRAStrengthGrid."}),
         }}
 
+    @bridge.host_errors
     def draw(self, images, grid):
         desc = grid[0]
         cells = torch.cat([im for im in images], dim=0)

@@ -129,6 +129,7 @@ class LoRAStackRows:
     def IS_CHANGED(cls, **inputs):
         return bridge.file_state("loras", named_rows(inputs))
 
+    @bridge.host_errors
     def stack(self, lora_stack=None, single_strength=False, **rows):
         try:
             own = row_entries(rows, bool(single_strength))

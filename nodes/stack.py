@@ -159,6 +159,7 @@ class LoRAStack:
     def IS_CHANGED(cls, lora_name=None, **_):
         return bridge.file_state("loras", [lora_name])
 
+    @bridge.host_errors
     def stack(self, lora_name, strength_model, strength_clip, enabled=True, lora_stack=None):
         try:
             items = entries(lora_stack)
@@ -269,6 +270,7 @@ class LoRAStackFromJSON:
         except StackError as e:
             return str(e)
 
+    @bridge.host_errors
     def stack(self, stack_json, lora_stack=None):
         try:
             return (as_stack(entries(lora_stack) + parse_json_stack(stack_json)),)

@@ -147,7 +147,9 @@ class Check:
             try:
                 self.sample(model, self.set(self.positive, {"A": 1.0}))
                 out[f"refusal_{tag}"] = None
-            except ConditioningStrengthError as e:
+            except ValueError as e:  # as ComfyUI gets it: a builtin naming the engine's error (nodes/bridge/errors.py)
+                if not isinstance(e.__cause__, ConditioningStrengthError):
+                    raise
                 out[f"refusal_{tag}"] = str(e)
         return out
 
