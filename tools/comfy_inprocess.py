@@ -1,4 +1,4 @@
-"""ComfyUI in-process: import its modules and the pack's bridge, and build tiny models of its families.
+"""ComfyUI in-process: import its modules and the pack, and build tiny models of its families.
 
 For scripts run with ComfyUI's own python (its venv): `bench/compare.py` and the host tier's
 `tests/host/family_check.py`. Nothing here is imported by the engine or the nodes, and nothing in
@@ -7,7 +7,8 @@ import them.
 
     root = find_comfy(None)
     comfy = import_comfy(root, "cpu")
-    bridge = import_bridge()      # the pack, loaded as ComfyUI loads it (import_pack)
+    bridge = import_bridge()      # from the pack, loaded as ComfyUI loads a custom-node folder (import_pack)
+    engine = import_engine()      # the engine the bridge uses (not a second copy from `import lora_engine`)
     patcher = build_model(comfy, torch, {"image_model": "wan2.1", "model_type": "t2v", ...},
                           dtype=torch.float32, device=torch.device("cpu"), expect="WAN21_T2V")
 
