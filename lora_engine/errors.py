@@ -37,6 +37,13 @@ class LoRAError(Exception):
             module = "lora_engine" + module[len(_PACKAGE):]
         return f"{module}.{cls.__qualname__}"
 
+    def for_host(self) -> Exception:
+        """This error as a builtin exception, ValueError (where it is one) or RuntimeError, whose message opens with
+        `kind`: for a host that titles an error by its class's module, where the engine's module name is a path
+        (ComfyUI imports a custom-node folder under its path). Raise it `from` this error."""
+        builtin = ValueError if isinstance(self, ValueError) else RuntimeError
+        return builtin(f"{self.kind}: {self}")
+
 
 class LoRAFileError(LoRAError):
     """The file is missing, unreadable, truncated, corrupt or of a refused kind."""

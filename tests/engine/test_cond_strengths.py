@@ -86,8 +86,11 @@ def test_a_batch_laid_out_otherwise_is_refused(cs, adapters):
 
 
 def test_an_unclaimed_conditioning_says_the_model_has_no_stack(cs, adapters):
-    with pytest.raises(cs.ConditioningStrengthError, match="has no MultiLoRALoader stack"):
+    # Raised as ComfyUI shows it: a builtin opening with the engine's error kind, the error its cause.
+    with pytest.raises(ValueError, match=r"^lora_engine\.errors\.ConditioningStrengthError: .*has no MultiLoRALoader "
+                       "stack") as e:
         cs.CondStrengths((named(cs, adapters[0], 1.0),)).process_cond(batch_size=1)
+    assert isinstance(e.value.__cause__, cs.ConditioningStrengthError)
 
 
 def test_claim_gives_every_conditioning_a_value_and_changes_no_shared_dict(cs, adapters):

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lora_engine import LoRAFileError
+from lora_engine import LoRAFileError, ShapingError
 from lora_engine.grid import GridError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kind_names_the_engine_module_and_class():
     assert LoRAFileError("x").kind == "lora_engine.errors.LoRAFileError"
     assert GridError("x").kind == "lora_engine.grid.GridError"
+
+
+def test_for_host_is_the_builtin_the_error_derives_from_naming_its_kind():
+    shaping, file = ShapingError("bad vector", remedy="fix it").for_host(), LoRAFileError("gone", path="a").for_host()
+    assert type(shaping) is ValueError and str(shaping) == "lora_engine.errors.ShapingError: bad vector; remedy: fix it"
+    assert type(file) is RuntimeError and str(file) == "lora_engine.errors.LoRAFileError: gone; file: 'a'"
 
 
 def test_kind_under_another_package_name(tmp_path):
