@@ -78,7 +78,7 @@ RANK = 32
 # -- ComfyUI in-process ------------------------------------------------------------------------------
 
 from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
-from tools.comfy_inprocess import build_flux, find_comfy, import_bridge, import_comfy
+from tools.comfy_inprocess import build_flux, find_comfy, import_bridge, import_comfy, import_engine
 
 # -- model and LoRAs ---------------------------------------------------------------------------------
 
@@ -208,7 +208,8 @@ def main() -> int:
     comfy = import_comfy(root_dir, args.device)
     import torch
     mm = comfy.model_management
-    from lora_engine import AdapterCache, KeyMap, SlotBank
+    engine = import_engine()  # the pack's, which the bridge uses
+    AdapterCache, KeyMap, SlotBank = engine.AdapterCache, engine.KeyMap, engine.SlotBank
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     device = mm.get_torch_device()
     if args.device == "cuda" and device.type != "cuda":

@@ -86,9 +86,7 @@ def main() -> int:
     (loras / lora).write_bytes(Path(assets["loras"]["kohya"]).read_bytes())
     env = dict(os.environ)
     if not cs.python_has_module(python, "torchaudio"):
-        shim = work / "shims" / "torchaudio"
-        shim.mkdir(parents=True)
-        (shim / "__init__.py").write_text(cs._TORCHAUDIO_STUB)
+        cs.write_torchaudio_stub(work / "shims")
         env["PYTHONPATH"] = str(work / "shims") + os.pathsep + env.get("PYTHONPATH", "")
     rows = []
     for variant in ("distillfuse", "stock"):

@@ -6,20 +6,11 @@ from __future__ import annotations
 import math
 
 
-def shown_module(name: str) -> str:
-    """An engine module's name as `lora_engine.<module>`. ComfyUI imports a custom-node folder under its path, so a
-    class's module would read "/…/custom_nodes/<pack>.lora_engine.errors" in every error the UI shows; the pack's
-    __init__.py registers each engine module under the short name as well."""
-    head, sep, tail = name.rpartition("lora_engine")
-    return "lora_engine" + tail if sep and head.endswith(".") else name
+_PACKAGE = __name__.rpartition(".")[0]  # the engine's package, by the name a host imported it under
 
 
 class LoRAError(Exception):
     """Base class for every error the engine raises on purpose."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls.__module__ = shown_module(cls.__module__)
 
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
                  remedy: str | None = None):
@@ -36,8 +27,22 @@ class LoRAError(Exception):
             parts.append(f"remedy: {remedy}")
         super().__init__("; ".join(parts))
 
+    @property
+    def kind(self) -> str:
+        """The error's class as the engine names it, `lora_engine.errors.LoRAFileError`, whatever name a host
+        imported the engine under (ComfyUI names a custom-node folder by its path)."""
+        cls = type(self)
+        module = cls.__module__
+        if module == _PACKAGE or module.startswith(_PACKAGE + "."):
+            module = "lora_engine" + module[len(_PACKAGE):]
+        return f"{module}.{cls.__qualname__}"
 
-LoRAError.__module__ = shown_module(LoRAError.__module__)
+    def for_host(self) -> Exception:
+        """This error as a builtin exception, ValueError (where it is one) or RuntimeError, whose message opens with
+        `kind`: for a host that titles an error by its class's module, where the engine's module name is a path
+        (ComfyUI imports a custom-node folder under its path). Raise it `from` this error."""
+        builtin = ValueError if isinstance(self, ValueError) else RuntimeError
+        return builtin(f"{self.kind}: {self}")
 
 
 class LoRAFileError(LoRAError):

@@ -21,6 +21,7 @@ dense or bias slots a layer holds does.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +32,16 @@ from . import runtime
 from .binding import Geometry, ModulePlan
 from .errors import ShapingError
 from .strengths import Owner, Strengths
+
+
+# Every layer whose forward hook is on its module, until `unhook`: weakly, so a layer and its module go together.
+_HOOKED: weakref.WeakSet[LayerSlots] = weakref.WeakSet()
+
+
+def hooked_layers() -> int:
+    """How many layers have their forward hook on a live module. A bank's release removes its layers' hooks, so a
+    count above the layers the banks hold is a hook left behind."""
+    return len(_HOOKED)
 
 
 class LayerSlots:
@@ -60,6 +71,12 @@ class LayerSlots:
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
         self.idle = True  # no live slot at all
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
+        _HOOKED.add(self)
+
+    def unhook(self) -> None:
+        """Remove the layer's forward hook from its module."""
+        self.handle.remove()
+        _HOOKED.discard(self)
 
     @property
     def hi(self) -> int:

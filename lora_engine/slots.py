@@ -304,7 +304,7 @@ class SlotBank:
         """Free every slot and remove every hook."""
         with self.lock:
             for layer in self.layers.values():
-                layer.handle.remove()
+                layer.unhook()
             self.layers.clear()
             self.slots = [None] * self.max_loras
             self._bindings.clear()

@@ -37,6 +37,7 @@ class LoRAConditioningStrengths:
             },
         }
 
+    @bridge.host_errors
     def apply(self, conditioning, lora_stack, others="keep"):
         if others not in OTHERS:
             raise ValueError(f"others must be one of {', '.join(OTHERS)}, got {others!r}")

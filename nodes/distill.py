@@ -26,8 +26,8 @@ import logging
 import os
 import threading
 
-from lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
-from lora_engine.adapter import file_fingerprint
+from ..lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
+from ..lora_engine.adapter import file_fingerprint
 
 from . import bridge
 from .stack import CATEGORY, STRENGTH, finite_strength, is_strength
@@ -226,6 +226,7 @@ class DistillFuse:
             state += f"\nbake {target}: {_bake_generation(target)}"
         return state
 
+    @bridge.host_errors
     def load(self, unet_name, weight_dtype, lora_name, strength, bake=False, bake_name="", overwrite=False):
         strength = finite_strength(strength, "strength", lora_name)
         if weight_dtype not in WEIGHT_DTYPES:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from lora_engine.errors import shown
-from lora_engine.grid import GridError, build
+from ..lora_engine.errors import shown
+from ..lora_engine.grid import GridError, build
 
 from . import bridge
 from .stack import CATEGORY, StackError, entries
@@ -74,7 +74,7 @@ class LoRAStrengthGrid:
                         z_values=None):
         """The axis texts only: ComfyUI skips its own checks of the inputs named here (of all of them, for a
         `**kwargs` signature), so `max_batch` keeps its range check. A linked input arrives as None."""
-        from lora_engine.grid import parse_axis
+        from ..lora_engine.grid import parse_axis
         given = {"x_entry": x_entry, "x_values": x_values, "y_entry": y_entry, "y_values": y_values,
                  "z_entry": z_entry, "z_values": z_values}
         for name, v in given.items():
@@ -89,6 +89,7 @@ class LoRAStrengthGrid:
                     return str(e)
         return True
 
+    @bridge.host_errors
     def grid(self, model, lora_stack, latent, x_entry, x_values, y_entry, y_values, z_entry, z_values,
              max_batch, clip=None):
         try:
@@ -152,6 +153,7 @@ class LoRAGridImage:
             "grid": ("LORA_GRID", {"tooltip": "From LoRAStrengthGrid."}),
         }}
 
+    @bridge.host_errors
     def draw(self, images, grid):
         desc = grid[0]
         cells = torch.cat([im for im in images], dim=0)

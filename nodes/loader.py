@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from lora_engine.errors import shown
+from ..lora_engine.errors import shown
 
 from . import bridge
 from .stack import CATEGORY, StackError, entries
@@ -40,6 +40,7 @@ class MultiLoRALoader:
             },
         }
 
+    @bridge.host_errors
     def apply(self, model, lora_stack, clip=None, max_loras=0):
         # A linked value skips ComfyUI's range check: 10**6 slots would ask for terabytes.
         if isinstance(max_loras, bool) or not isinstance(max_loras, numbers.Integral) or not 0 <= max_loras <= 64:

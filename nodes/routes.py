@@ -7,8 +7,8 @@ import math
 
 from aiohttp import web
 
-from lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
-from lora_engine.layer import LayerSlots
+from ..lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
+from ..lora_engine.layer import hooked_layers
 
 from . import bridge
 from .distill import fusion_log
@@ -30,17 +30,13 @@ def status() -> dict:
 
 
 def hooks() -> dict:
-    """The engine's forward hooks counted on the modules themselves, against the layers the banks hold:
-    a hook left behind by a released or rebuilt bank shows as `forward_hooks` > `layers`."""
-    out = {"layers": 0, "forward_hooks": 0}
+    """The engine's forward hooks on live modules (its own count: `hooked_layers`), against the layers the banks
+    hold: a hook left behind by a released or rebuilt bank shows as `forward_hooks` > `layers`."""
+    layers = 0
     for bank in all_banks():
         with bank.lock:  # activation adds a layer and its hook under this lock
-            out["layers"] += len(bank.layers)
-            root = bank.root
-            modules = root.modules() if root is not None else ()
-            out["forward_hooks"] += sum(1 for m in modules for h in list(m._forward_hooks.values())
-                                        if isinstance(getattr(h, "__self__", None), LayerSlots))
-    return out
+            layers += len(bank.layers)
+    return {"layers": layers, "forward_hooks": hooked_layers()}
 
 
 routes = bridge.server_routes()

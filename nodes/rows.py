@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lora_engine.errors import shown
+from ..lora_engine.errors import shown
 
 from . import bridge
 from .stack import (
@@ -129,6 +129,7 @@ class LoRAStackRows:
     def IS_CHANGED(cls, **inputs):
         return bridge.file_state("loras", named_rows(inputs))
 
+    @bridge.host_errors
     def stack(self, lora_stack=None, single_strength=False, **rows):
         try:
             own = row_entries(rows, bool(single_strength))

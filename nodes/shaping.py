@@ -7,11 +7,12 @@ a per-layer factor for block weights. Nothing is re-patched, reloaded or recompi
 
 from __future__ import annotations
 
-from lora_engine.blocks import BlockWeights
-from lora_engine.errors import ShapingError, shown
-from lora_engine.grid import GridError, find_entry
-from lora_engine.schedule import MODES, Schedule
+from ..lora_engine.blocks import BlockWeights
+from ..lora_engine.errors import ShapingError, shown
+from ..lora_engine.grid import GridError, find_entry
+from ..lora_engine.schedule import MODES, Schedule
 
+from . import bridge
 from .stack import CATEGORY, StackError, as_stack, entries, is_strength, last_left_out
 
 ENTRY = ("STRING", {"default": "", "tooltip": "The stack entry to shape: its file name, its name without "
@@ -100,6 +101,7 @@ class LoRAStrengthSchedule:
                 return str(e)
         return True
 
+    @bridge.host_errors
     def schedule(self, lora_stack, entry, keyframes, interpolation, values=None):
         stack, ref, text, mode = (_first(v) for v in (lora_stack, entry, keyframes, interpolation))
         if not (ref or "").strip() and last_left_out(stack):
@@ -159,6 +161,7 @@ class LoRABlockWeights:
                 return str(e)
         return True
 
+    @bridge.host_errors
     def weights(self, lora_stack, entry, preset, weights):
         if not (entry or "").strip() and last_left_out(lora_stack):
             return (lora_stack,)  # the entry just added was left out, and its block weights with it

@@ -14,9 +14,9 @@ import numbers
 import re
 from dataclasses import dataclass, replace
 
-from lora_engine.blocks import BlockWeights
-from lora_engine.errors import shown
-from lora_engine.schedule import Schedule
+from ..lora_engine.blocks import BlockWeights
+from ..lora_engine.errors import shown
+from ..lora_engine.schedule import Schedule
 
 from . import bridge
 
@@ -163,6 +163,7 @@ class LoRAStack:
     def IS_CHANGED(cls, lora_name=None, **_):
         return bridge.file_state("loras", [lora_name])
 
+    @bridge.host_errors
     def stack(self, lora_name, strength_model, strength_clip, enabled=True, lora_stack=None):
         try:
             items = entries(lora_stack)
@@ -273,6 +274,7 @@ class LoRAStackFromJSON:
         except StackError as e:
             return str(e)
 
+    @bridge.host_errors
     def stack(self, stack_json, lora_stack=None):
         try:
             return (as_stack(entries(lora_stack) + parse_json_stack(stack_json)),)

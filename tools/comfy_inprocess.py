@@ -1,4 +1,4 @@
-"""ComfyUI in-process: import its modules and the pack's bridge, and build tiny models of its families.
+"""ComfyUI in-process: import its modules and the pack, and build tiny models of its families.
 
 For scripts run with ComfyUI's own python (its venv): `bench/compare.py` and the host tier's
 `tests/host/family_check.py`. Nothing here is imported by the engine or the nodes, and nothing in
@@ -7,7 +7,8 @@ import them.
 
     root = find_comfy(None)
     comfy = import_comfy(root, "cpu")
-    bridge = import_bridge()
+    bridge = import_bridge()      # from the pack, loaded as ComfyUI loads a custom-node folder (import_pack)
+    engine = import_engine()      # the engine the bridge uses (not a second copy from `import lora_engine`)
     patcher = build_model(comfy, torch, {"image_model": "wan2.1", "model_type": "t2v", ...},
                           dtype=torch.float32, device=torch.device("cpu"), expect="WAN21_T2V")
 
@@ -18,13 +19,13 @@ picks the supported-model class for the unet_config, whose `get_model` builds Co
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,11 +56,10 @@ def import_comfy(root: Path, device: str):
     if importlib.util.find_spec("torchaudio") is None:
         # ComfyUI 0.28 imports torchaudio on the `import comfy.sd` path; tools/comfy_server.py's stub
         # (import works, any use raises) is put on sys.path, as the server harness does.
-        from tools.comfy_server import _TORCHAUDIO_STUB
+        from tools.comfy_server import write_torchaudio_stub
         shim = Path(tempfile.mkdtemp(prefix="multilora-shims-"))
         atexit.register(shutil.rmtree, shim, True)
-        (shim / "torchaudio").mkdir()
-        (shim / "torchaudio" / "__init__.py").write_text(_TORCHAUDIO_STUB)
+        write_torchaudio_stub(shim)
         sys.path.insert(0, str(shim))
     sys.path.insert(0, str(root))
     from comfy.cli_args import args
@@ -82,24 +82,37 @@ def import_comfy(root: Path, device: str):
     return comfy
 
 
-PACKAGE = "multilora_nodes"
+class PackLoadError(RuntimeError):
+    """ComfyUI's loader did not load the pack (its log line says why), or `nodes` is not ComfyUI's module."""
+
+
+def import_pack():
+    """The pack, loaded as ComfyUI loads a custom-node folder: by ComfyUI's own `nodes.load_custom_node`, as a package
+    named after the folder's path. The pack's modules import one another relatively, so its `nodes/` folder and
+    ComfyUI's `nodes` module do not meet. Call `import_comfy` first; a second call returns the same package."""
+    import nodes as comfy_nodes  # ComfyUI's: import_comfy put its folder first on sys.path
+    if not hasattr(comfy_nodes, "load_custom_node"):
+        raise PackLoadError(f"`nodes` is {comfy_nodes.__file__}, not ComfyUI's nodes.py: import_comfy goes first")
+    name = str(ROOT).replace(".", "_x_")  # the name load_custom_node gives a folder
+    if name not in sys.modules and not asyncio.run(comfy_nodes.load_custom_node(str(ROOT))):
+        raise PackLoadError(f"ComfyUI's load_custom_node did not load {ROOT} (its log line above says why)")
+    return sys.modules[name]
 
 
 def import_bridge():
-    """The bridge package, nodes/bridge/, as `multilora_nodes.bridge`: ComfyUI's own `nodes` module takes the name
-    `nodes`. The package is the nodes/ folder without its __init__.py (which would import every node module), so
-    that the bridge's relative imports, and `import_node_module`, find the pack's other modules there."""
-    if PACKAGE not in sys.modules:
-        package = types.ModuleType(PACKAGE)
-        package.__path__ = [str(ROOT / "nodes")]
-        sys.modules[PACKAGE] = package
-    return importlib.import_module(f"{PACKAGE}.bridge")
+    """The pack's bridge package, nodes/bridge/, from the pack `import_pack` loads."""
+    return importlib.import_module(f"{import_pack().__name__}.nodes.bridge")
 
 
 def import_node_module(name: str):
-    """One of the pack's node modules (`conditioning`, `stack`, …), next to the bridge of `import_bridge`."""
-    import_bridge()
-    return importlib.import_module(f"{PACKAGE}.{name}")
+    """One of the pack's node modules (`conditioning`, `stack`, …), from the pack `import_pack` loads."""
+    return importlib.import_module(f"{import_pack().__name__}.nodes.{name}")
+
+
+def import_engine(name: str = ""):
+    """The engine package, or its module `name` (`errors`, `slots`, …), as the pack `import_pack` loads it: the one
+    the bridge uses. A plain `import lora_engine` is another copy, with its own classes and its own cache."""
+    return importlib.import_module(f"{import_pack().__name__}.lora_engine" + (f".{name}" if name else ""))
 
 
 def build_model(comfy, torch, unet_config: dict, *, dtype, device, expect: str | None = None,

@@ -55,35 +55,49 @@ STOP_TIMEOUT = 20.0
 # ComfyUI 0.28 imports torchaudio unconditionally on its startup path
 # (comfy/sd.py -> comfy/ldm/lightricks/vae/audio_vae.py, comfy/text_encoders/gemma4.py)
 # although only audio models use it.  When the ComfyUI python lacks it (no
-# torchaudio build exists for every torch), the harness puts this stub on the
-# server's PYTHONPATH: importing works, any use raises.
-_TORCHAUDIO_STUB = '''"""torchaudio stub written by tests/host/comfy_server.py: import works, any use raises."""
-import sys, types
-__version__ = "0.0.0+host-test-stub"
-_MSG = "torchaudio is not installed in this ComfyUI python (host-test stub)"
+# torchaudio build exists for every torch), the harness puts a stub package on
+# the server's PYTHONPATH (`write_torchaudio_stub`): importing works, any use raises.
+_TORCHAUDIO_MISSING = '''"""torchaudio stub written by tools/comfy_server.py: import works, any use raises."""
+MESSAGE = "torchaudio is not installed in this ComfyUI python (host-test stub)"
 
-def _missing(name):
+
+def missing(name):
     def _raise(*a, **k):
-        raise ModuleNotFoundError(_MSG + ": " + name)
+        raise ModuleNotFoundError(MESSAGE + ": " + name)
     return type(name, (), {"__init__": _raise, "__init_subclass__": classmethod(lambda cls, **k: None)})
 
-class _Sub(types.ModuleType):
-    def __getattr__(self, name):
+
+def attributes(module):
+    """A module's __getattr__: every name is a class whose use raises."""
+    def __getattr__(name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return _missing(self.__name__ + "." + name)
-
-for _n in ("functional", "transforms", "io", "models", "pipelines", "compliance", "compliance.kaldi", "sox_effects", "backend"):
-    _m = _Sub(__name__ + "." + _n)
-    sys.modules[_m.__name__] = _m
-    if "." not in _n:
-        globals()[_n] = _m
-
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return _missing("torchaudio." + name)
+        return missing(module + "." + name)
+    return __getattr__
 '''
+_TORCHAUDIO_SUBMODULES = {
+    "__init__": ("backend", "compliance", "functional", "io", "models", "pipelines", "sox_effects", "transforms"),
+    "compliance/__init__": ("kaldi",),
+    **{n: () for n in ("backend", "compliance/kaldi", "functional", "io", "models", "pipelines", "sox_effects",
+                       "transforms")},
+}
+
+
+def write_torchaudio_stub(shims: Path) -> Path:
+    """A stub package `torchaudio` in the folder `shims` (to put on the path): its modules and their submodules
+    import, and any name in them is a class whose use raises. Returns the package's folder."""
+    package = shims / "torchaudio"
+    (package / "compliance").mkdir(parents=True, exist_ok=True)
+    (package / "_missing.py").write_text(_TORCHAUDIO_MISSING, encoding="utf-8")
+    for module, subs in _TORCHAUDIO_SUBMODULES.items():
+        lines = ['"""torchaudio stub: import works, any use raises."""',
+                 "from torchaudio._missing import attributes",
+                 *(f"from . import {sub}" for sub in subs),
+                 "__getattr__ = attributes(__name__)"]
+        if module == "__init__":
+            lines.insert(1, '__version__ = "0.0.0+host-test-stub"')
+        (package / f"{module}.py").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return package
 
 
 class ComfyError(RuntimeError):
@@ -276,9 +290,7 @@ class ComfyServer:
         if self.torchaudio_stub is None:
             self.torchaudio_stub = not python_has_module(self.python, "torchaudio")
         if self.torchaudio_stub:
-            stub = self.workdir / "shims" / "torchaudio"
-            stub.mkdir(parents=True, exist_ok=True)
-            (stub / "__init__.py").write_text(_TORCHAUDIO_STUB, encoding="utf-8")
+            write_torchaudio_stub(self.workdir / "shims")
 
     def _imported_from(self, pack: Path) -> Path:
         """The folder ComfyUI imports one of `other_packs` from: where it lies when that is the checkout's own

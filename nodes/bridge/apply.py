@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import comfy.patcher_extension
 
-from lora_engine import Adapter, SlotLimitError
-from lora_engine.binding import no_match
-from lora_engine.blocks import BlockWeights, layer_weights, layout
-from lora_engine.errors import ShapingError
-from lora_engine.schedule import Schedule
-from lora_engine.strengths import Entry, Request
+from ...lora_engine import Adapter, SlotLimitError
+from ...lora_engine.binding import no_match
+from ...lora_engine.blocks import BlockWeights, layer_weights, layout
+from ...lora_engine.errors import ShapingError
+from ...lora_engine.schedule import Schedule
+from ...lora_engine.strengths import Entry, Request
 
 from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use
 from .models import binding_of, log_once, match_report, unhookable_keys, warn_fused

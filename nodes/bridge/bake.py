@@ -18,8 +18,8 @@ import comfy.utils
 import folder_paths
 import torch
 
-from lora_engine import KeyMap, LoRAError, LoRAFileError, NonFiniteError, read_header
-from lora_engine.patches import absmax, finite
+from ...lora_engine import KeyMap, LoRAError, LoRAFileError, NonFiniteError, read_header
+from ...lora_engine.patches import absmax, finite
 
 from .files import check_relative
 from .models import model_keymap

@@ -14,7 +14,7 @@ import comfy.model_management
 import comfy.utils
 import folder_paths
 
-from lora_engine import Adapter, LoRAFileError, default_cache
+from ...lora_engine import Adapter, LoRAFileError, default_cache
 
 MAX_NAME = 1024
 

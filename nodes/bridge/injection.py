@@ -12,9 +12,10 @@ import comfy.model_management
 import comfy.patcher_extension
 import torch
 
-from lora_engine import Adapter, SlotBank, all_banks
-from lora_engine.strengths import Entry, Request
+from ...lora_engine import Adapter, SlotBank, all_banks
+from ...lora_engine.strengths import Entry, Request
 
+from .errors import host_errors
 from .models import bank_of
 
 log = logging.getLogger("multilora")
@@ -68,6 +69,7 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
     def _root(self, patcher):
         return self.root if self.root is not None else patcher.model
 
+    @host_errors
     def inject(self, patcher):
         if patcher in self.failed:  # ComfyUI's re-injection of a model whose load failed: nothing runs it
             self.failed.discard(patcher)
@@ -106,6 +108,7 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
     def eject(self, patcher):
         self.deactivate(patcher)
 
+    @host_errors
     def unloaded(self, patcher, unpatch_all: bool) -> None:
         """An ON_DETACH callback. A detach that unpatches the model is ComfyUI unloading it (its memory manager
         making room, "Unload models", `POST /free`); the stack's slots go with it, where they held device memory

@@ -10,8 +10,8 @@ import threading
 import comfy.lora
 import torch
 
-from lora_engine import Adapter, KeyMap, LoRANoMatchError, SlotBank, bind, ledger_of
-from lora_engine.report import runtime_path, unhookable_note, widened_note
+from ...lora_engine import Adapter, KeyMap, LoRANoMatchError, SlotBank, bind, ledger_of
+from ...lora_engine.report import runtime_path, unhookable_note, widened_note
 
 log = logging.getLogger("multilora")
 

@@ -8,19 +8,21 @@ import logging
 
 import torch
 
-from lora_engine import SlotBank
-from lora_engine.errors import ConditioningStrengthError
-from lora_engine.grid import GridError
-from lora_engine.schedule import step_progress
+from ...lora_engine import SlotBank
+from ...lora_engine.errors import ConditioningStrengthError
+from ...lora_engine.grid import GridError
+from ...lora_engine.schedule import step_progress
 
 from .. import cond_strengths
 from ..cond_strengths import CondBatch
+from .errors import host_errors
 from .injection import Stack, injection_of, release_unloaded
 from .models import first_time
 
 log = logging.getLogger("multilora")
 
 
+@host_errors
 def cell_noise(executor, guider, sigmas, extra_args, callback, noise, *args, **kwargs):
     """A SAMPLER_SAMPLE wrapper on a LoRAStrengthGrid model: the noise that an ancestral or SDE sampler adds at each
     step is drawn for one item and given to every cell, as a batch-1 run with the same seed draws it; drawn for the
@@ -84,6 +86,7 @@ class ModelCallWrapper:
         self.scheduled = scheduled
         self.items = items
 
+    @host_errors
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
                  **kwargs):
         transformer_options = {} if transformer_options is None else transformer_options
@@ -129,6 +132,7 @@ class PrepareSampling:
     inside that load, a new bank's slots were made after the decision. The injection then finds the stack active
     and copies nothing; where the load fails before it injects, the stack is deactivated again."""
 
+    @host_errors
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
         injection = injection_of(model)
         strengths = cond_strengths.set_on(conds)

@@ -1,6 +1,6 @@
 """nodes/cond_strengths.py without ComfyUI: a conditioning's LoRA strengths through ComfyUI's COND protocol
 (process, concatenate), the per-item rows they give a model call, and the claim made before sampling. The module
-imports only the engine; it is loaded from its file, as the nodes package would import ComfyUI."""
+imports only the engine; it is loaded from its file, as the nodes package would import ComfyUI (`cs`)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,31 @@ from pathlib import Path
 import pytest
 
 from lora_engine import SlotBank, load_adapter
-from lora_engine.errors import ConditioningStrengthError
 
 from . import lora_files as lf
 
-PATH = Path(__file__).resolve().parents[2] / "nodes" / "cond_strengths.py"
+ROOT = Path(__file__).resolve().parents[2]
+PACK = "multilora_pack"
 
 
 @pytest.fixture(scope="module")
-def cs():
-    spec = importlib.util.spec_from_file_location("multilora_cond_strengths", PATH)
+def cs(tmp_path_factory):
+    """nodes/cond_strengths.py loaded from its file as a module of the pack, whose folder is put on the path under
+    another name (its relative import reaches the pack's engine); the nodes package's __init__.py, which imports
+    ComfyUI, is not run."""
+    folder = tmp_path_factory.mktemp("pack")
+    (folder / PACK).symlink_to(ROOT, target_is_directory=True)
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(f"{PACK}.nodes.cond_strengths", ROOT / "nodes" / "cond_strengths.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(folder))
+        for name in [n for n in sys.modules if n == PACK or n.startswith(PACK + ".")]:
+            del sys.modules[name]
 
 
 @pytest.fixture
@@ -71,13 +81,16 @@ def test_rows_set_on_a_bank_sample_each_chunk_at_its_strengths(cs, adapters):
 
 def test_a_batch_laid_out_otherwise_is_refused(cs, adapters):
     chunk = cs.CondStrengths((named(cs, adapters[0], 1.0),), claimed=True).process_cond(batch_size=2)
-    with pytest.raises(ConditioningStrengthError, match="has 3 items, but its conditionings' chunks have"):
+    with pytest.raises(cs.ConditioningStrengthError, match="has 3 items, but its conditionings' chunks have"):
         cs.CondBatch((chunk,)).rows(adapters, 3)
 
 
 def test_an_unclaimed_conditioning_says_the_model_has_no_stack(cs, adapters):
-    with pytest.raises(ConditioningStrengthError, match="has no MultiLoRALoader stack"):
+    # Raised as ComfyUI shows it: a builtin opening with the engine's error kind, the error its cause.
+    with pytest.raises(ValueError, match=r"^lora_engine\.errors\.ConditioningStrengthError: .*has no MultiLoRALoader "
+                       "stack") as e:
         cs.CondStrengths((named(cs, adapters[0], 1.0),)).process_cond(batch_size=1)
+    assert isinstance(e.value.__cause__, cs.ConditioningStrengthError)
 
 
 def test_claim_gives_every_conditioning_a_value_and_changes_no_shared_dict(cs, adapters):

@@ -10,7 +10,7 @@ from lora_engine.blocks import BlockWeights, block_of, layer_weights, layout, pr
 from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError, build, parse_axis
 from lora_engine.schedule import Schedule, step_progress
-from lora_engine.slots import Entry
+from lora_engine.strengths import Entry
 
 from . import lora_files as lf
 

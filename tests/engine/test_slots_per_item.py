@@ -136,7 +136,7 @@ def test_alternating_item_tables_keep_the_layers_rows(adapters):
 
 def test_set_items_lasts_until_the_next_activation_and_follows_the_schedule(adapters):
     from lora_engine import Schedule
-    from lora_engine.slots import Entry
+    from lora_engine.strengths import Entry
     a, b = adapters[:2]
     x = lf.tiny_input(batch=2)
     model = lf.tiny()

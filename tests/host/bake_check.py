@@ -48,7 +48,8 @@ def run(bridge) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from lora_engine import LoRAError
+    from tools.comfy_inprocess import import_engine
+    LoRAError = import_engine().LoRAError
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))

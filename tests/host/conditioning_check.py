@@ -135,7 +135,8 @@ class Check:
                         ("regions_ours", "regions_stock"), ("regions_keep", "regions_stock"))}
 
     def refusals(self) -> dict:
-        from lora_engine.errors import ConditioningStrengthError
+        from tools.comfy_inprocess import import_engine
+        ConditioningStrengthError = import_engine("errors").ConditioningStrengthError
         bridge = self.run.bridge
         a = self.run.adapters["kohya"]
         cases = {"no_stack": self.run.base,
@@ -146,7 +147,9 @@ class Check:
             try:
                 self.sample(model, self.set(self.positive, {"A": 1.0}))
                 out[f"refusal_{tag}"] = None
-            except ConditioningStrengthError as e:
+            except ValueError as e:  # as ComfyUI gets it: a builtin naming the engine's error (nodes/bridge/errors.py)
+                if not isinstance(e.__cause__, ConditioningStrengthError):
+                    raise
                 out[f"refusal_{tag}"] = str(e)
         return out
 

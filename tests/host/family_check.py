@@ -144,8 +144,8 @@ class FamilyRun:
     def __init__(self, comfy, torch, bridge, name: str, fam: Family, folder: str):
         from safetensors.torch import save_file
 
-        from lora_engine import AdapterCache
-        from tools.comfy_inprocess import build_model
+        from tools.comfy_inprocess import build_model, import_engine
+        AdapterCache = import_engine().AdapterCache
         self.comfy, self.torch, self.bridge, self.name = comfy, torch, bridge, name
         self.mm = comfy.model_management
         self.base = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
@@ -202,7 +202,8 @@ class FamilyRun:
     def slider_move(self, adapters, strengths) -> int:
         """How many times an adapter is bound again when the same stack runs at other strengths (MultiLoRALoader
         re-run, then ComfyUI loading its new clone): the bank's bindings make it 0."""
-        import lora_engine.slots as slots
+        from tools.comfy_inprocess import import_engine
+        slots = import_engine("slots")
         count = [0]
         real = {self.bridge.models: self.bridge.models.bind, slots: slots.bind}
 
@@ -244,8 +245,9 @@ class FamilyRun:
     def distill(self, case: Case, fused_out, comfy_layers: set) -> dict:
         """The case fused by our engine as DistillFuse fuses (nodes/distill.py load_fused), each file in stack
         order into the one model; then fused again (a no-op), then the weights restored from a copy."""
-        from lora_engine import fuse, ledger_of
-        from lora_engine.fuse import LEDGER_ATTR
+        from tools.comfy_inprocess import import_engine
+        engine = import_engine()
+        fuse, ledger_of, LEDGER_ATTR = engine.fuse, engine.ledger_of, import_engine("fuse").LEDGER_ATTR
         torch, root = self.torch, self.root
         keymap = self.bridge.unet_keymap(root)
         before = {k: v.clone() for k, v in root.state_dict().items()}

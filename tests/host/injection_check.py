@@ -38,10 +38,11 @@ from tests.host.sampling_check import run_check  # noqa: E402
 def run(comfy, bridge, comfy_root: Path) -> dict:
     import torch
 
-    from lora_engine import SlotBank, default_cache
-    from lora_engine.errors import ShapingError
-    from lora_engine.schedule import Schedule
     from tools import synth
+    from tools.comfy_inprocess import import_engine
+    engine = import_engine()  # the pack's, which the bridge uses
+    SlotBank, default_cache, ShapingError, Schedule = (engine.SlotBank, engine.default_cache, engine.ShapingError,
+                                                       engine.Schedule)
     assets = synth.ensure_assets_any_python(comfy_root=comfy_root, python=sys.executable)
     mm = comfy.model_management
     model, clip = comfy.sd.load_checkpoint_guess_config(str(assets["checkpoint"]), output_vae=False,

@@ -34,8 +34,9 @@ from tests.host.sampling_check import run_check  # noqa: E402
 def run(comfy, bridge, comfy_root: Path) -> dict:
     import torch
 
-    from lora_engine import default_cache
     from tools import synth
+    from tools.comfy_inprocess import import_engine
+    default_cache = import_engine().default_cache
     assets = synth.ensure_assets_any_python(comfy_root=comfy_root, python=sys.executable)
     model, clip = comfy.sd.load_checkpoint_guess_config(str(assets["checkpoint"]), output_vae=False,
                                                         output_clipvision=False)[:2]

@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:  # run as a script: the layouts and the tools are 
     sys.path.insert(0, str(ROOT))
 
 from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
+from tools.comfy_inprocess import import_engine  # noqa: E402
 
 ENTRIES = (("kohya", 1.0), ("diffusers", -0.6))
 SCHEDULE = "0:0, 1:1"
@@ -112,7 +113,7 @@ def control_lora(torch, root, rank: int = 4) -> dict:
 
 class Run:
     def __init__(self, comfy, torch, bridge, folder: str):
-        from lora_engine import AdapterCache
+        AdapterCache = import_engine().AdapterCache
         from tools.comfy_inprocess import build_model
         self.comfy, self.torch, self.bridge, self.folder = comfy, torch, bridge, folder
         self.fam = fam = families(comfy)["flux"]
@@ -163,7 +164,7 @@ class Run:
     def at_load(self, model) -> dict | None:
         """The bank of `model`'s own model as ComfyUI's `load_models_gpu` finds it when a sampling of `model` loads
         it (a pass-through wrapper around ComfyUI's function records it): None where it has none yet."""
-        from lora_engine import SlotBank
+        SlotBank = import_engine().SlotBank
         mm = self.comfy.model_management
         original, seen = mm.load_models_gpu, []
 
@@ -197,7 +198,7 @@ class Run:
         return self.bridge.apply_stack(model, None, stack, len(layouts))[0]
 
     def clones(self) -> dict:
-        from lora_engine.schedule import Schedule
+        Schedule = import_engine().Schedule
         layouts, strengths = zip(*ENTRIES)
         s = {"base": self.sample(self.base)}
         ours = self.ours(self.base, layouts, strengths)
@@ -243,7 +244,7 @@ class Run:
                         ("compiled_base_after", "base"))}
 
     def control(self) -> dict:
-        from lora_engine import LoRAFormatError
+        LoRAFormatError = import_engine().LoRAFormatError
         try:
             self.cache.load(self.control_path, name="flux_control.safetensors",
                             convert=self.comfy.lora_convert.convert_lora, convert_id="comfy")

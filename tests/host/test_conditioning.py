@@ -48,6 +48,7 @@ def test_every_conditioning_of_a_step_is_sampled_in_one_call(result):
 def test_strengths_that_cannot_apply_are_refused_before_sampling(result, case, texts):
     message = result[f"refusal_{case}"]
     assert message is not None, f"{case}: sampled without an error"
+    assert message.startswith("lora_engine.errors.ConditioningStrengthError: "), message
     for text in texts:
         assert text in message, message
 
