@@ -1,6 +1,6 @@
 """In-process on ComfyUI: DistillFuse's bake writer (`bridge.bake`) on a small fused model.
 
-Run with ComfyUI's python (tests/host/test_distill.py does):
+Run with ComfyUI's python (tests/host/test_bake.py does):
 
     ~/comfy/ComfyUI/.venv/bin/python tests/host/bake_check.py [--out result.json]
 

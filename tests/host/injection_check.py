@@ -5,7 +5,8 @@ Run with ComfyUI's python (tests/host/test_injection.py does):
     ~/comfy/ComfyUI/.venv/bin/python tests/host/injection_check.py [--out result.json]
 
 The synthetic SD1.5 checkpoint of tools/synth.py is loaded as CheckpointLoaderSimple loads it, and stacks are put
-on its model and CLIP by `bridge.apply_stack` (MultiLoRALoader's call). Each key of the result is one check:
+on its model and CLIP by `bridge.apply_stack` (MultiLoRALoader's call). Each key of the result is one property
+(tests/host/properties.py: whether it holds, and the values it was decided on):
 
     failed_load_unet / failed_load_clip   ComfyUI's load of the stack's clone fails (a CUDA out-of-memory, raised
                         from `ModelPatcher.load`); ComfyUI re-injects the model as that load ends, though it holds
@@ -32,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.host.properties import prop  # noqa: E402
 from tests.host.sampling_check import run_check  # noqa: E402
 
 
@@ -95,14 +97,15 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
             comfy.model_patcher.ModelPatcher.load = real
         mm.unload_all_models()  # what execution.py does after an out-of-memory error
         after = torch.equal(sample(model, cond), base) if kind == "unet" else torch.equal(encode(clip)[0][0], base_text)
-        result[f"failed_load_{kind}"] = failed and after
+        result[f"failed_load_{kind}"] = prop(failed and after, load_failed=failed, next_run_equals_base=after)
 
     assert torch.equal(sample(stacked, cond), with_stack)
     other = stacked.clone()
     del other
     gc.collect()
     bank = SlotBank.attached(model.model)
-    result["dropped_clone_keeps_stack"] = bank is not None and bank.active
+    result["dropped_clone_keeps_stack"] = prop(bank is not None and bank.active, bank_attached=bank is not None,
+                                               bank_active=bank is not None and bank.active)
 
     copies = bank.copies
     del stacked, stacked_clip  # as ComfyUI drops a changed node's output when the next prompt starts
@@ -111,12 +114,17 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
                                                 bridge.StackEntry(ad["peft"], 1.0, 1.0)])
     held = SlotBank.attached(model.model) is bank
     moved_out = sample(moved, cond)
-    result["replaced_clone_stays_warm"] = held and bank.copies == copies and not torch.equal(moved_out, with_stack)
+    moved_differs = not torch.equal(moved_out, with_stack)
+    result["replaced_clone_stays_warm"] = prop(held and bank.copies == copies and moved_differs, bank_held=held,
+                                               copies_before=copies, copies_after=bank.copies,
+                                               new_strengths_change_the_sample=moved_differs)
 
     del moved, bank
     gc.collect()
     same_base = torch.equal(sample(model, cond), base)
-    result["orphan_released"] = same_base and SlotBank.attached(model.model) is None and hooks(model.model) == 0
+    attached, left = SlotBank.attached(model.model) is not None, hooks(model.model)
+    result["orphan_released"] = prop(same_base and not attached and left == 0, base_sample_equal=same_base,
+                                     bank_attached=attached, hooks_left=left)
 
     held_kohya = ad["kohya"]
     items = cache.max_items
@@ -125,7 +133,8 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
         load = [cache.load(str(assets["loras"][kind]), name=kind, convert=comfy.lora_convert.convert_lora,
                            convert_id="comfy") for kind in ("peft", "locon", "kohya")]  # peft evicts kohya
         again = load[-1]
-        result["evicted_is_one_adapter"] = again is held_kohya
+        result["evicted_is_one_adapter"] = prop(again is held_kohya, same_object=again is held_kohya,
+                                                same_fingerprint=again.fingerprint == held_kohya.fingerprint)
     finally:
         cache.configure(max_items=items)
 
@@ -133,9 +142,9 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
                                                                   schedule=Schedule.parse("0:1.0, 0.5:0.0"))])
     try:
         bridge.apply_stack(first, None, [bridge.StackEntry(ad["kohya"], 0.5, 1.0)])
-        result["chained_duplicate_refused"] = False
+        result["chained_duplicate_refused"] = prop(False, error=None)
     except ShapingError as e:
-        result["chained_duplicate_refused"] = "appears twice" in str(e)
+        result["chained_duplicate_refused"] = prop("appears twice" in str(e), error=str(e))
     return result
 
 

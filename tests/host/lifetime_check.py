@@ -8,11 +8,13 @@ The synthetic SD1.5 checkpoint of tools/synth.py is loaded as CheckpointLoaderSi
 put on the model and the CLIP by `bridge.apply_stack` (MultiLoRALoader's call), a prompt is encoded and one Euler
 step sampled through `comfy.sample.sample`, so that ComfyUI loads both and runs their injections. Then every
 reference is dropped, as ComfyUI's cache drops a loader's outputs when another file is chosen, with Python's cyclic
-garbage collector off:
+garbage collector off. The properties (tests/host/properties.py):
 
-    unet_freed / clip_freed   the diffusion model and the text encoder were freed by reference counting
-    leak_logged               what ComfyUI's `cleanup_models_gc` logged: it reports a loaded model that outlives
-                              its patchers as "Potential memory leak detected", and collects garbage to free it
+    unet_freed / clip_freed   the diffusion model and the text encoder were freed by reference counting (where
+                              not: the types of what still refers to it)
+    no_leak_logged            ComfyUI's `cleanup_models_gc` logged no leak: it reports a loaded model that
+                              outlives its patchers as "Potential memory leak detected", and collects garbage to
+                              free it (the lines it logged)
 
 A reference cycle through a model (a bank and its model referring to each other, an injection holding the text
 encoder in a cycle with its own bound methods) kept both alive until a collection, and made ComfyUI log the leak.
@@ -28,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.host.properties import prop  # noqa: E402
 from tests.host.sampling_check import run_check  # noqa: E402
 
 
@@ -56,13 +59,23 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     gc.disable()
     try:
         del model, clip, ours, ours_clip, cond, noise, adapters
-        freed = {"unet_freed": unet() is None, "clip_freed": text_encoder() is None}
+        freed = {"unet_freed": prop(unet() is None, referrers=referrers(unet())),
+                 "clip_freed": prop(text_encoder() is None, referrers=referrers(text_encoder()))}
         logging.getLogger().addHandler(handler)
         comfy.model_management.cleanup_models_gc()
     finally:
         logging.getLogger().removeHandler(handler)
         gc.enable()
-    return {**freed, "leak_logged": [line for line in logged if "leak" in line]}
+    leaks = [line for line in logged if "leak" in line]
+    return {**freed, "no_leak_logged": prop(not leaks, leak_lines=leaks)}
+
+
+def referrers(obj) -> list[str] | None:
+    """The types of the objects that refer to `obj` (None where it was freed), found without a collection."""
+    if obj is None:
+        return None
+    import inspect
+    return sorted({type(r).__name__ for r in gc.get_referrers(obj) if not inspect.isframe(r)})
 
 
 def main() -> int:

@@ -20,8 +20,6 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pathlib import Path
-
 from bench import soak
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
@@ -263,26 +261,6 @@ def test_a_bake_that_cannot_be_written_fails_naming_its_target(server, images, m
     assert log[-1]["bake"] == "baked.safetensors" and log[-1]["state"] == "failed", log[-2:]
     assert log[-2]["state"] == "fused" and "bake" not in log[-2], log[-2:]
     assert np.array_equal(one(server, distill()), images["ours"])
-
-
-def test_the_bake_writer_checks_the_base_precision_and_leaves_nothing_half_written(run_script, tmp_path):
-    """`bake_check.py` (its docstring says how): one tensor at a time, into a temporary file of the target's folder,
-    which an interrupt or a weight that overflows the base file's precision removes, leaving no file behind."""
-    result = json.loads(run_script(Path(__file__).resolve().parent / "bake_check.py", tmp_path / "result.json"))
-    written = result["written"]
-    assert written["error"] is None and written["files"] == ["baked.safetensors"] and written["bar"] == [4, 4]
-    assert written["dtypes"] == ["torch.float16"] and written["equal"] and "multilora.fusions" in written["metadata"]
-    assert written["mode_as_umask_gives"]
-    fp8 = result["fp8"]
-    assert fp8["error"] is None and fp8["equal"] and "overflows float8_e4m3fn" in fp8["overflow"], fp8
-    assert result["interrupted"]["error"].startswith("Interrupted") and result["interrupted"]["files"] == []
-    assert result["interrupted"]["bar"] == [2, 4]
-    overflow = result["overflow"]
-    assert "the fused weight '1.weight' overflows float16" in overflow["error"] and overflow["files"] == []
-    assert result["same_bake"] == {"error": None, "bar": None, "files": ["baked.safetensors"], "mtime_ns": 1}
-    partial = result["partial"]
-    assert partial["users_file"] == "the user's" and partial["files"] == ["baked.safetensors",
-                                                                         "baked.safetensors.partial"]
 
 
 @pytest.mark.parametrize("case,inputs,texts", [

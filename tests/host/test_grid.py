@@ -5,6 +5,15 @@ kernels' summation order. That floor is measured with stock nodes only (a stock 
 chain, a batch of 9 identical latents whose noise is fixed by LatentBatchSeedBehavior), and
 taken no smaller than the metric's resolution (one pixel off by one level). Every grid cell
 must match its batch-1 run within 3× that floor.
+
+An ancestral or SDE sampler's cells are held to the larger of that floor and one measured with
+stock nodes on the same sampler and steps (`noiseless`), since each sampler carries the batching's
+rounding through its own steps. The noise the grid adds is a batch-1 run's: drawn for one cell it
+gives the batch-1 latent bit for bit. Measured in-process on a 2-core CPU, latent max|batch of 3 -
+batch 1|: 3.7e-4 for the grid's euler_ancestral cells, 3.2e-4 for stock euler_ancestral without
+its noise, 3.4e-4 for stock euler (2 steps); 3.4e-4 and 3.7e-4 for dpmpp_2m_sde. In images those
+are 0 to 2 levels of one pixel channel; on another machine the grid's euler_ancestral cell came
+out at 4, past 3× the plain sampler's floor of one level.
 """
 
 from __future__ import annotations
@@ -54,14 +63,44 @@ def cell_reference(grid_prompt, sx, sy):
     return p
 
 
+def stock_floor(server, ref, n: int) -> float:
+    """The stock graph `ref` on n copies of its latent against its batch-1 image, no smaller than the metric's
+    resolution (one pixel channel off by one level)."""
+    single = server.run(ref)[0]
+    items = server.run(wf.batched(ref, n))
+    assert len(items) == n
+    return max(1.0 / single.size, max(mad(i, single) for i in items))
+
+
 @pytest.fixture(scope="module")
 def batching_floor(server, grid_prompt):
-    ref = wf.to_stock(cell_reference(grid_prompt, 0.5, 0.5), "20")
-    single = server.run(ref)[0]
-    items = server.run(wf.batched(ref, 9))
-    assert len(items) == 9
-    resolution = 1.0 / single.size  # one pixel channel off by one level
-    return max(resolution, max(mad(i, single) for i in items))
+    return stock_floor(server, wf.to_stock(cell_reference(grid_prompt, 0.5, 0.5), "20"), 9)
+
+
+# The stock node that gives each sampler of the ancestral test its KSampler defaults, and s_noise.
+SAMPLER_NODES = {
+    "euler_ancestral": ("SamplerEulerAncestral", {"eta": 1.0}),
+    "dpmpp_2m_sde": ("SamplerDPMPP_2M_SDE", {"eta": 1.0, "solver_type": "midpoint", "noise_device": "cpu"}),
+    "dpmpp_sde_gpu": ("SamplerDPMPP_SDE", {"eta": 1.0, "r": 0.5, "noise_device": "gpu"}),
+}
+
+
+def noiseless(prompt: dict) -> dict:
+    """`prompt`'s KSampler ("8") as a stock SamplerCustom of the same sampler, steps and scheduler, with s_noise 0.
+    A stock batch draws each step's noise for the whole batch, so that its items get other noise than a batch-1
+    run; without that noise, a batch differs from its batch-1 run by the kernels' batching alone, carried through
+    this sampler's steps."""
+    p = copy.deepcopy(prompt)
+    k = p["8"]["inputs"]
+    node, options = SAMPLER_NODES[k["sampler_name"]]
+    p["sampler"] = {"class_type": node, "inputs": {**options, "s_noise": 0.0}}
+    p["sigmas"] = {"class_type": "BasicScheduler", "inputs": {"model": k["model"], "scheduler": k["scheduler"],
+                                                              "steps": k["steps"], "denoise": k["denoise"]}}
+    p["8"] = {"class_type": "SamplerCustom", "inputs": {
+        "model": k["model"], "add_noise": True, "noise_seed": k["seed"], "cfg": k["cfg"], "positive": k["positive"],
+        "negative": k["negative"], "sampler": ["sampler", 0], "sigmas": ["sigmas", 0],
+        "latent_image": k["latent_image"]}}
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +136,12 @@ def test_cells_of_an_ancestral_or_sde_sampler_equal_their_batch_1_runs(server, g
     p["8"]["inputs"].update(sampler_name=sampler, steps=3)
     cells = server.run(p)[1:]
     assert len(cells) == 3
-    tol = 3 * batching_floor
+    sy = p["3"]["inputs"]["strength_model"]  # no y axis: the entry's own strength
+    floor = stock_floor(server, noiseless(wf.to_stock(cell_reference(p, 0.5, sy), "20")), len(cells))
+    tol = 3 * max(floor, batching_floor)
     for cell, sx in zip(cells, (0.0, 1.0, 0.0)):
-        ref = cell_reference(p, sx, p["3"]["inputs"]["strength_model"])  # no y axis: the entry's own strength
-        assert mad(cell, server.run(ref)[0]) <= tol, sx
+        got = mad(cell, server.run(cell_reference(p, sx, sy))[0])
+        assert got <= tol, f"strength {sx}: MAD {got:.6f} > 3 x floor {tol / 3:.6f} ({sampler} {floor:.6f})"
     assert mad(cells[0], cells[2]) <= tol
     assert mad(cells[0], cells[1]) > 10 * max(tol, 0.1)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .properties import assert_holds
+
 pytestmark = pytest.mark.host
 
 SCRIPT = Path(__file__).resolve().parent / "injection_check.py"
@@ -17,6 +19,15 @@ CHECKS = ("failed_load_unet", "failed_load_clip", "dropped_clone_keeps_stack", "
           "orphan_released", "evicted_is_one_adapter", "chained_duplicate_refused")
 
 
-def test_a_stack_runs_only_while_its_clone_is_loaded_and_goes_with_it(run_script, synth_assets, tmp_path):
-    result = json.loads(run_script(SCRIPT, tmp_path / "result.json"))
-    assert result == dict.fromkeys(CHECKS, True), result
+@pytest.fixture(scope="module")
+def result(run_script, synth_assets, tmp_path_factory) -> dict:
+    return json.loads(run_script(SCRIPT, tmp_path_factory.mktemp("injection") / "result.json"))
+
+
+def test_the_check_reports_each_property_once(result):
+    assert sorted(result) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_stack_runs_only_while_its_clone_is_loaded_and_goes_with_it(result, check):
+    assert_holds(result, check)

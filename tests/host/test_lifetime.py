@@ -11,11 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from .properties import assert_holds
+
 pytestmark = pytest.mark.host
 
 SCRIPT = Path(__file__).resolve().parent / "lifetime_check.py"
 
 
-def test_a_dropped_model_and_text_encoder_are_freed_without_a_collection(run_script, synth_assets, tmp_path):
-    result = json.loads(run_script(SCRIPT, tmp_path / "result.json"))
-    assert result == {"unet_freed": True, "clip_freed": True, "leak_logged": []}, result
+CHECKS = ("unet_freed", "clip_freed", "no_leak_logged")
+
+
+@pytest.fixture(scope="module")
+def result(run_script, synth_assets, tmp_path_factory) -> dict:
+    return json.loads(run_script(SCRIPT, tmp_path_factory.mktemp("lifetime") / "result.json"))
+
+
+def test_the_check_reports_each_property_once(result):
+    assert sorted(result) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_dropped_model_and_text_encoder_are_freed_without_a_collection(result, check):
+    assert_holds(result, check)

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from . import workflows as wf
+from .conftest import pinned_cache
 
 pytestmark = pytest.mark.host
 
@@ -145,7 +146,8 @@ def model_only(ours):
 def fp32_text_encoder(comfy_root, comfy_python, models_dir, tmp_path_factory):
     from tools.comfy_server import ComfyServer
     srv = ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
-                      workdir=tmp_path_factory.mktemp("comfy_fp32te"), extra_args=["--fp32-text-enc"])
+                      workdir=tmp_path_factory.mktemp("comfy_fp32te"),
+                      extra_args=["--fp32-text-enc", *pinned_cache(comfy_root)])
     srv.start()
     try:
         yield srv
@@ -224,9 +226,18 @@ def test_disabled_and_zero_entries_equal_leaving_the_lora_out(server, ours):
     assert np.array_equal(zero, without)
 
 
+def assert_held(before: dict) -> None:
+    """The model's bank holds the stack before a re-run that must copy nothing: were the model dropped (a cache
+    under memory pressure), the re-run would copy the adapters again, and count that against it."""
+    model_banks = [b for b in before["banks"] if "text encoder" not in b["model"]]
+    assert [b for b in model_banks if {s["name"] for s in b["slots"] if s} == set(NAMES)], (
+        f"the model's bank was gone before the re-run (ComfyUI dropped the model): {before['banks']}")
+
+
 def test_strength_only_rerun_reads_no_file_and_patches_no_weight(server, ours, reference):
     one(server, ours)  # warm
     before = status(server)
+    assert_held(before)
     changed = one(server, wf.set_entry(ours, NAMES[0], strength_model=0.3))
     after = status(server)
     assert mad(changed, reference["ours"]) > 1.0  # the new strength took effect
@@ -349,6 +360,7 @@ def test_a_same_size_replacement_with_its_old_mtime_is_read_again(server, models
 def test_seed_only_rerun_reads_no_file(server, ours):
     one(server, ours)
     before = status(server)
+    assert_held(before)
     wf_seed = wf.small(wf.load(EXAMPLE), seed=7, prefix="seed")
     one(server, wf_seed)
     after = status(server)

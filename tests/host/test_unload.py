@@ -96,3 +96,28 @@ def test_a_model_unloaded_through_a_clone_without_the_stack_is_released_at_the_n
     one(server, wf.model_graph(other, ["ml", 0], prefix="unload"))
     [bank] = status(server)["banks"]  # the first model's bank is gone
     assert held(bank) == {NAMES[2]}, bank
+
+
+def test_a_model_the_cache_drops_takes_its_slots_and_the_next_run_copies_them_from_the_cache(server):
+    """ComfyUI's cache drops a loader's output (its default RAM-pressure cache does so when memory runs short; here
+    `POST /free` with free_memory resets the cache, and unloads): the model object goes, its banks with it. The
+    next run loads the checkpoint again and copies the adapters into new banks from the pack's cache, reading no
+    file, and samples the image the dropped model sampled, bit for bit."""
+    prompt = wf.small(wf.load(EXAMPLE), seed=3, prefix="unload")
+    first = one(server, prompt)
+    before = status(server)
+    assert [b for b in before["banks"] if held(b) == set(NAMES)], before["banks"]
+
+    server.free(unload_models=True, free_memory=True)
+    deadline = time.monotonic() + 60.0
+    while (dropped := status(server))["banks"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dropped["banks"] == [], dropped["banks"]
+    assert dropped["hooks"] == {"layers": 0, "forward_hooks": 0}
+
+    again = one(server, prompt)
+    after = status(server)
+    assert after["cache"]["misses"] == before["cache"]["misses"]  # no file read: the adapters came from the cache
+    [bank] = [b for b in after["banks"] if "text encoder" not in b["model"]]
+    assert held(bank) == set(NAMES) and bank["copies"] == len(NAMES), bank
+    assert np.array_equal(again, first)
