@@ -39,11 +39,12 @@ def rss(field):
 
 
 folder_paths.add_model_folder_path("loras", lora_dir)
-import importlib.util
-spec = importlib.util.spec_from_file_location("multilora_pack", os.path.join(pack_root, "__init__.py"),
-                                              submodule_search_locations=[pack_root])
-pack = importlib.util.module_from_spec(spec); sys.modules["multilora_pack"] = pack; spec.loader.exec_module(pack)
-from multilora_pack.nodes import bridge, distill  # the pack, imported as ComfyUI imports it
+import asyncio, importlib, nodes as comfy_nodes  # ComfyUI's nodes.py: comfy_root is first on sys.path
+if not asyncio.run(comfy_nodes.load_custom_node(pack_root)):  # the pack, loaded as ComfyUI loads it
+    sys.exit(f"ComfyUI's load_custom_node did not load {pack_root} (its log line above says why)")
+pack = sys.modules[pack_root.replace(".", "_x_")]  # the name load_custom_node gives a folder
+bridge = importlib.import_module(pack.__name__ + ".nodes.bridge")
+distill = importlib.import_module(pack.__name__ + ".nodes.distill")
 base = rss("VmRSS")
 options = bridge.unet_options(weight_dtype)
 if variant == "distillfuse":
