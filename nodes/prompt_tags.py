@@ -51,7 +51,9 @@ def parse_tag(tag: str, body: str) -> Tag:
         key, eq, value = last.partition("=")
         if eq and key.strip().lower() in KEYS:
             named[KEYS[key.strip().lower()]] = value
-        elif NUMBER.match(last) and len(positional) < 2:
+        elif NUMBER.match(last):
+            if len(positional) + len(named) >= 2:
+                raise TagError(f"{tag}: too many strengths; write <lora:name:model_strength:clip_strength>")
             positional.insert(0, last)
         else:
             break
