@@ -29,8 +29,20 @@ def mad(a, b) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
 
 
+def finished(server, prompt_id: str, tries: int = 5) -> dict:
+    """The history entry of a queued prompt. On a machine shared by many processes one read of /history can take
+    longer than the client's timeout while the server samples: that read is tried again, up to `tries` times."""
+    for attempt in range(tries):
+        try:
+            return server.wait(prompt_id)
+        except TimeoutError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def one(server, prompt) -> np.ndarray:
-    images = server.run(prompt)
+    images = server.images_of(finished(server, server.post_prompt(prompt)))
     assert len(images) == 1
     return images[0]
 

@@ -15,7 +15,7 @@ from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
 from . import workflows as wf
 from .conftest import place
-from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, fp32_text_encoder_server,
+from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, finished, fp32_text_encoder_server,
                             multi_rows, one, rows_inputs)
 
 pytestmark = pytest.mark.host
@@ -26,7 +26,7 @@ ROW_FIELDS = ("enabled", "lora", "strength_model", "strength_clip")
 
 def texts(server, prompt) -> dict:
     """{node id: text} of the PreviewAny nodes of `prompt`, after running it."""
-    entry = server.wait(server.post_prompt(prompt))
+    entry = finished(server, server.post_prompt(prompt))
     return {k: v["text"][0] for k, v in entry["outputs"].items() if "text" in v}
 
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.host.stock_compare import THREE, check_against_stock, fp32_text_encoder_server, stock
+from tests.host.stock_compare import THREE, check_against_stock, finished, fp32_text_encoder_server, stock
 from tools import synth
 from tools.api_to_ui import convert
 
@@ -161,7 +161,7 @@ def test_copy_as_text_reads_back_as_the_same_stack(ui, browser, web_server):
          "text": {"class_type": "LoRAStackFromPrompt", "inputs": {"text": text}},
          "a": {"class_type": "PreviewAny", "inputs": {"source": ["rows", 2]}},
          "b": {"class_type": "PreviewAny", "inputs": {"source": ["text", 1]}}}
-    out = web_server.wait(web_server.post_prompt(p))["outputs"]
+    out = finished(web_server, web_server.post_prompt(p))["outputs"]
     assert json.loads(out["a"]["text"][0]) == json.loads(out["b"]["text"][0]) == [list(e) for e in CHAIN]
 
 
@@ -227,8 +227,9 @@ def test_sixteen_rows_toggle_all_and_reload(ui, browser, artifacts):
         assert P.prompt(b, node)["inputs"] == saved["inputs"], f"after {name}: the prompt differs"
 
 
-VUE_LABELS = """(id) => [...document.querySelectorAll(`[data-node-id="${id}"] .lg-node-widget label, `
-  + `[data-node-id="${id}"] [data-testid="widget-label"]`)].map((e) => e.textContent.trim()).filter(Boolean)"""
+VUE_LABELS = """(id) => [...document.querySelectorAll(`[data-node-id="${id}"] [data-testid=widget-layout-field-label]`)]
+  .map((e) => e.textContent.trim())"""
+ROW_LABELS = [f"{f} {i}" for i in range(1, 17) for f in ("row", "lora", "model", "clip")]
 
 
 def test_the_node_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
@@ -242,7 +243,10 @@ def test_the_node_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
         P.wait_ready(b)
         assert b.js("() => LiteGraph.vueNodesMode") is True
         b.wait_for("(id) => app.graph.getNodeById(id)?.multiloraRows?.count === 16", node, timeout_s=30)
-        b.wait_for(f"() => !!document.querySelector(\"[data-node-id='{node}']\")", timeout_s=30)
+        b.wait_for("(id) => document.querySelectorAll(`[data-node-id='${id}'] "
+                   "[data-testid=widget-layout-field-label]`).length > 60", node, timeout_s=60)
+        labels = b.js(VUE_LABELS, node)
+        assert [x for x in labels if x.split(" ")[0] in ("row", "lora", "model", "clip")] == ROW_LABELS
         assert b.call("count", selector=P.panel(node, ".mlora-row")) == 16
         b.click(P.panel(node, ".mlora-header button[data-act='toggleAll']"))
         P.settle(b)
