@@ -1,6 +1,6 @@
 /**
  * The pack's frontend extension: rows, status and metadata on LoRAStackRows and MultiLoRARows nodes, their
- * "Copy LoRAs as <lora:…> text" menu entry, and "Convert to Multi-LoRA Loader" on LoRA loader chains.
+ * "Copy LoRAs as A1111 prompt tags" menu entry, and "Convert to Multi-LoRA Loader" on LoRA loader chains.
  *
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
  * (onNodeCreated, onAdded, onConfigure, onSerialize, onDrawForeground, onConnectionsChange,
@@ -100,7 +100,7 @@ async function copyText(text) {
 function nodeMenuItems(node) {
   if (node.multiloraRows) {
     return [{
-      content: 'Copy LoRAs as <lora:…> text',
+      content: 'Copy LoRAs as A1111 prompt tags',
       callback: async () => {
         const text = node.multiloraRows.promptText()
         await copyText(text)
