@@ -15,8 +15,8 @@ from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
 from . import workflows as wf
 from .conftest import place
-from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, finished, fp32_text_encoder_server, graph,
-                            multi_rows, one, rows_inputs)
+from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, finished, fp32_text_encoder_server,
+                            graph, multi_rows, one, rows_inputs)
 
 pytestmark = pytest.mark.host
 
