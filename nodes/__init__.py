@@ -4,6 +4,8 @@ from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
 from .loader import MultiLoRALoader
+from .multi_rows import MultiLoRARows
+from .prompt_stack import LoRAStackFromPrompt
 from .rows import LoRAStackRows
 from .shaping import LoRABlockWeights, LoRAStrengthSchedule
 from .stack import LoRAStack, LoRAStackFromJSON
@@ -15,10 +17,12 @@ NODE_CLASS_MAPPINGS = {
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
     "LoRAStackFromJSON": LoRAStackFromJSON,
+    "LoRAStackFromPrompt": LoRAStackFromPrompt,
     "LoRAStackRows": LoRAStackRows,
     "LoRAStrengthGrid": LoRAStrengthGrid,
     "LoRAStrengthSchedule": LoRAStrengthSchedule,
     "MultiLoRALoader": MultiLoRALoader,
+    "MultiLoRARows": MultiLoRARows,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -28,10 +32,12 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
+    "LoRAStackFromPrompt": "LoRA Stack from Prompt <lora:…> (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
     "LoRAStrengthGrid": "LoRA Strength Grid (one batch)",
     "LoRAStrengthSchedule": "LoRA Strength Schedule (Multi-LoRA)",
     "MultiLoRALoader": "Multi-LoRA Loader (runtime)",
+    "MultiLoRARows": "Multi-LoRA Loader",
 }
 
 try:

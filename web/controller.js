@@ -7,7 +7,8 @@
 import { createPanel } from './panel.js'
 import {
   FIELDS, NONE, SNAPSHOT_KEY, applyOrder, booleanValue, inPrompt, inferCount, inputName, makeSnapshot, orderAfterAdd,
-  orderAfterMove, orderAfterRemove, parseInputName, promptValue, readRows, readSnapshot, rowCapacity, rowValues,
+  orderAfterMove, orderAfterRemove, parseInputName, promptText, promptValue, readRows, readSnapshot, rowCapacity,
+  rowValues, toggleAllValue,
 } from './rows.js'
 import { badges, cacheLine, metaText, rowStatus } from './status.js'
 
@@ -27,6 +28,7 @@ export class RowsController {
       up: (row) => this.move(row - 1, row - 2),
       down: (row) => this.move(row - 1, row),
       toggle: (row) => this.toggle(row - 1),
+      toggleAll: () => this.toggleAll(),
       refresh: () => services.refresh(),
     })
     this.panelWidget = node.addDOMWidget('multilora_rows', 'multilora-rows', this.panel.element, {
@@ -172,6 +174,30 @@ export class RowsController {
     this.node.setDirtyCanvas(true, false)
   }
 
+  /** Every row off while any row with a LoRA is on, else every row on; a row whose enabled input is linked is left
+   * to its link. One undo step. */
+  toggleAll() {
+    const value = toggleAllValue(this.rows())
+    this.change(() => {
+      for (let i = 1; i <= this.count; i++) {
+        if (!this.isLinked(inputName('enabled', i))) this.set(inputName('enabled', i), value)
+      }
+    })
+    this.render()
+    this.node.setDirtyCanvas(true, false)
+  }
+
+  /** Replace the rows (a chain converted into this node). */
+  setRows(rows) {
+    this.writeRows(rows)
+    this.sync()
+  }
+
+  /** The enabled rows as `<lora:name:weight>` text (rows.promptText). */
+  promptText() {
+    return promptText(this.rows(), this.singleStrength())
+  }
+
   /** After LiteGraph restored the widget values: the snapshot, by name, wins over positions. */
   configure(info) {
     const snap = readSnapshot(info?.properties?.[SNAPSHOT_KEY], this.capacity)
@@ -262,7 +288,8 @@ export class RowsController {
     const notice = this.dropped
       ? `⚠ ${this.dropped} saved row${this.dropped === 1 ? '' : 's'} did not fit: this version holds ${this.capacity}`
       : ''
-    this.panel.render({ rows: view, canAdd: this.count < this.capacity, cache: cacheLine(status), notice })
+    const allOn = !toggleAllValue(this.rows())
+    this.panel.render({ rows: view, canAdd: this.count < this.capacity, cache: cacheLine(status), notice, allOn })
     this.shown = this.shownKey()
   }
 

@@ -1,16 +1,20 @@
 /**
- * The pack's frontend extension: rows, status and metadata on LoRAStackRows nodes.
+ * The pack's frontend extension: rows, status and metadata on LoRAStackRows and MultiLoRARows nodes, their
+ * "Copy LoRAs as A1111 prompt tags" menu entry, and "Convert to Multi-LoRA Loader" on LoRA loader chains.
  *
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
  * (onNodeCreated, onAdded, onConfigure, onSerialize, onDrawForeground, onConnectionsChange,
- * onRemoved), and fetches the pack's read-only routes. The rows live in controller.js and rows.js.
+ * onRemoved), adds node menu entries (getNodeMenuItems), and fetches the pack's read-only routes. The rows live
+ * in controller.js and rows.js, the conversion in chain.js and convert.js.
  */
 
 import { api } from '../../scripts/api.js'
 import { app } from '../../scripts/app.js'
+import { ChainError, isConvertible } from './chain.js'
 import { RowsController } from './controller.js'
+import { convertChain } from './convert.js'
 
-const NODE_CLASS = 'LoRAStackRows'
+const NODE_CLASSES = ['LoRAStackRows', 'MultiLoRARows']
 
 const controllers = new Set()
 const infos = new Map() // LoRA name -> info from /multilora/lora_info (null while it loads)
@@ -73,6 +77,51 @@ const services = {
   afterChange: () => app.canvas?.emitAfterChange?.(),
 }
 
+function toast(severity, summary, detail) {
+  const t = app.extensionManager?.toast
+  if (t) t.add({ severity, summary, detail, life: severity === 'error' ? 8000 : 3000 })
+  else if (severity === 'error') window.alert(`${summary}: ${detail}`)
+}
+
+/** The clipboard API where the page may use it, else a hidden text area and the copy command. */
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text)
+  } catch {
+    const area = document.createElement('textarea')
+    area.value = text
+    document.body.appendChild(area)
+    area.select()
+    document.execCommand('copy')
+    area.remove()
+  }
+}
+
+function nodeMenuItems(node) {
+  if (node.multiloraRows) {
+    return [{
+      content: 'Copy LoRAs as A1111 prompt tags',
+      callback: async () => {
+        const text = node.multiloraRows.promptText()
+        await copyText(text)
+        toast('info', 'Copied', text || 'no enabled row names a LoRA')
+      },
+    }]
+  }
+  if (!isConvertible(node.type)) return []
+  return [{
+    content: 'Convert to Multi-LoRA Loader',
+    callback: () => {
+      try {
+        convertChain(app.canvas, node, (type) => window.LiteGraph.createNode(type))
+      } catch (e) {
+        if (!(e instanceof ChainError)) throw e
+        toast('error', 'Cannot convert to Multi-LoRA Loader', e.message)
+      }
+    },
+  }]
+}
+
 function chain(proto, name, after) {
   const own = proto[name]
   proto[name] = function (...args) {
@@ -99,13 +148,15 @@ app.registerExtension({
     refreshStatus()
   },
 
+  getNodeMenuItems: nodeMenuItems,
+
   /** Refresh Node Definitions (R): files added or removed since show their new metadata. */
   refreshComboInNodes() {
     services.refresh()
   },
 
   beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== NODE_CLASS) return
+    if (!NODE_CLASSES.includes(nodeData?.name)) return
     const proto = nodeType.prototype
     chain(proto, 'onNodeCreated', function () {
       this.multiloraRows = new RowsController(this, services)

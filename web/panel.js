@@ -1,12 +1,14 @@
 /**
- * The DOM panel under the rows of a LoRAStackRows node: per row a toggle, the LoRA's name, its
- * status badges, its metadata line and move/remove buttons; then "+ Add LoRA" and the cache line.
+ * The DOM panel under the rows of a LoRAStackRows or MultiLoRARows node: a header with a switch for all rows and
+ * how many are on; per row a toggle, the LoRA's name, its status badges, its metadata line and move/remove
+ * buttons; then "+ Add LoRA" and the cache line.
  * It only draws a view and reports clicks; the controller owns the node.
  */
 
 const STYLE_ID = 'multilora-rows-style'
 const ROW_HEIGHT = 40
 const FOOTER_HEIGHT = 30
+const HEADER_HEIGHT = 24
 const PADDING = 4
 
 const CSS = `
@@ -38,6 +40,11 @@ const CSS = `
   height: 18px; }
 .mlora-tools button:disabled, .mlora-footer button:disabled { opacity: 0.3; cursor: default; }
 .mlora-footer { height: ${FOOTER_HEIGHT - 4}px; display: flex; align-items: center; gap: 6px; }
+.mlora-header { height: ${HEADER_HEIGHT - 4}px; display: flex; align-items: center; gap: 6px; }
+.mlora-header .mlora-toggleAll { width: 16px; height: 16px; border-radius: 50%; padding: 0; cursor: pointer;
+  border: 1px solid var(--border-color, #555); background: transparent; }
+.mlora-header[data-all-on="true"] .mlora-toggleAll { background: #4caf50; border-color: #4caf50; }
+.mlora-summary { flex: 1; color: var(--descrip-text, #aaa); }
 .mlora-cache { flex: 1; overflow: hidden; white-space: nowrap; text-overflow: ellipsis;
   color: var(--descrip-text, #aaa); }
 .mlora-cache[data-error="true"] { color: var(--error-text, #ff6b6b); }
@@ -102,17 +109,21 @@ function rowElement(view, count) {
   return row
 }
 
-/** A panel that calls actions[act](row) for a click on a row's button (row is 1-based), and
- * actions.add() / actions.refresh() for the footer's. */
+/** A panel that calls actions[act](row) for a click on a row's button (row is 1-based), actions.toggleAll() for the
+ * header's switch, and actions.add() / actions.refresh() for the footer's. */
 export function createPanel(actions) {
   ensureStyle()
   const root = el('div', 'mlora-panel')
+  const header = el('div', 'mlora-header')
+  const toggleAll = button('toggleAll', '', '')
+  const summary = el('span', 'mlora-summary')
+  header.append(toggleAll, summary)
   const list = el('div', 'mlora-list')
   const footer = el('div', 'mlora-footer')
   const add = button('add', '+ Add LoRA', 'Add a row')
   const cache = el('span', 'mlora-cache')
   footer.append(add, cache, button('refresh', '↻', 'Refresh the status and the metadata'))
-  root.append(list, footer)
+  root.append(header, list, footer)
   let rows = 1
 
   // A button takes no keyboard focus: Space (the canvas's pan key) and Enter would press it again.
@@ -130,9 +141,14 @@ export function createPanel(actions) {
 
   return {
     element: root,
-    /** view: {rows: [{row, lora, enabled, linked, badges, meta: {line, title, error}}], canAdd, cache, notice} */
+    /** view: {rows: [{row, lora, enabled, linked, badges, meta: {line, title, error}}], canAdd, cache, notice, allOn} */
     render(view) {
       rows = view.rows.length
+      const on = view.rows.filter((r) => r.enabled && r.lora).length
+      const named = view.rows.filter((r) => r.lora).length
+      header.dataset.allOn = String(!!view.allOn)
+      toggleAll.title = view.allOn ? 'Turn every row off' : 'Turn every row on'
+      summary.textContent = `${on} of ${named} LoRA${named === 1 ? '' : 's'} on`
       list.replaceChildren(...view.rows.map((r) => rowElement(r, rows)))
       add.disabled = !view.canAdd
       add.title = view.canAdd ? 'Add a row' : 'All rows are in use: chain another node for more'
@@ -141,7 +157,7 @@ export function createPanel(actions) {
       cache.dataset.error = String(!!view.notice)
     },
     height() {
-      return PADDING + rows * ROW_HEIGHT + FOOTER_HEIGHT
+      return PADDING + HEADER_HEIGHT + rows * ROW_HEIGHT + FOOTER_HEIGHT
     },
   }
 }

@@ -188,3 +188,24 @@ export function stackEntries(rows, singleStrength) {
     .filter((r) => r.enabled && r.lora !== NONE)
     .map((r) => [r.lora, r.strength_model, singleStrength ? r.strength_model : r.strength_clip])
 }
+
+/** A LoRA name as a `<lora:…>` tag writes it: without the .safetensors extension, a subfolder's '/' kept. */
+export function tagName(lora) {
+  return String(lora).replace(/\\/g, '/').replace(/\.safetensors$/i, '')
+}
+
+const formatStrength = (v) => String(Number(v))
+
+/** The rows as A1111 prompt tags, the enabled rows with a LoRA in order: `<lora:name:w>` when the model and clip
+ * strengths are equal (or in single-strength mode), else `<lora:name:w_model:w_clip>`. LoRAStackFromPrompt reads
+ * this text back into the same stack. */
+export function promptText(rows, singleStrength) {
+  return stackEntries(rows, singleStrength)
+    .map(([lora, sm, sc]) => `<lora:${tagName(lora)}:${formatStrength(sm)}${sm === sc ? '' : `:${formatStrength(sc)}`}>`)
+    .join(' ')
+}
+
+/** What "toggle all" sets every row's switch to: off while any row with a LoRA is on, else on. */
+export function toggleAllValue(rows) {
+  return !rows.map(cleanRow).some((r) => r.enabled && r.lora !== NONE)
+}

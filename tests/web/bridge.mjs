@@ -68,6 +68,7 @@ const ops = {
   async mouse({ action, x, y, to, steps }) {
     if (action === 'click') await page.mouse.click(x, y)
     else if (action === 'dblclick') await page.mouse.dblclick(x, y)
+    else if (action === 'rclick') await page.mouse.click(x, y, { button: 'right' })
     else if (action === 'move') await page.mouse.move(x, y, { steps: steps ?? 1 })
     else if (action === 'down') await page.mouse.down()
     else if (action === 'up') await page.mouse.up()

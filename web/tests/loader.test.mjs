@@ -1,0 +1,56 @@
+import assert from 'node:assert/strict'
+import { test } from 'node:test'
+
+import { ChainError, POWER_LORA_LOADER, orderChain, planConversion, rowsOf } from '../chain.js'
+import { promptText, tagName, toggleAllValue } from '../rows.js'
+
+const row = (lora, sm = 1, sc = sm, enabled = true) => ({ enabled, lora, strength_model: sm, strength_clip: sc })
+
+test('rows copy as <lora:…> tags: one strength when both are equal, disabled and empty rows left out', () => {
+  const rows = [row('style.safetensors', 0.8), row('sub/char.safetensors', -0.4, 0.5), row('off.safetensors', 1, 1, false),
+    row('None'), row('detail.pt', 1.3, 0)]
+  assert.equal(promptText(rows, false), '<lora:style:0.8> <lora:sub/char:-0.4:0.5> <lora:detail.pt:1.3:0>')
+  assert.equal(promptText(rows, true), '<lora:style:0.8> <lora:sub/char:-0.4> <lora:detail.pt:1.3>')
+  assert.equal(promptText([], false), '')
+  assert.equal(tagName('a\\b.SAFETENSORS'), 'a/b')
+})
+
+test('toggle all turns every row off while one with a LoRA is on, else on', () => {
+  assert.equal(toggleAllValue([row('a', 1, 1, false), row('b')]), false)
+  assert.equal(toggleAllValue([row('a', 1, 1, false), row('None')]), true)
+  assert.equal(toggleAllValue([row('None')]), true)
+})
+
+const widgets = (o) => Object.entries(o).map(([name, value]) => ({ name, value }))
+const loader = (id, modelFrom, clipFrom, values, type = 'LoraLoader', mode = 0) =>
+  ({ id, type, mode, modelFrom, clipFrom, widgets: widgets(values) })
+
+test('a chain of stock loaders gives its rows in chain order, whatever the selection order', () => {
+  const a = loader(11, 1, 1, { lora_name: 'a.safetensors', strength_model: 0.8, strength_clip: 0.5 })
+  const b = loader(12, 11, 11, { lora_name: 'b.safetensors', strength_model: -1, strength_clip: 1 }, 'LoraLoader', 4)
+  const c = loader(13, 12, null, { lora_name: 'c.safetensors', strength_model: 1.3 }, 'LoraLoaderModelOnly')
+  const { order, rows } = planConversion([c, a, b])
+  assert.deepEqual(order.map((l) => l.id), [11, 12, 13])
+  assert.deepEqual(rows, [row('a.safetensors', 0.8, 0.5), row('b.safetensors', -1, 1, false), row('c.safetensors', 1.3, 0)])
+})
+
+test("rgthree's Power Lora Loader rows come from its widget values", () => {
+  const power = loader(20, 1, 1, {})
+  power.type = POWER_LORA_LOADER
+  power.widgets = [{ name: 'header', value: { type: 'PowerLoraLoaderHeaderWidget' } },
+    { name: 'lora_1', value: { on: true, lora: 'a.safetensors', strength: 0.7, strengthTwo: null } },
+    { name: 'lora_2', value: { on: false, lora: 'b.safetensors', strength: 1, strengthTwo: 0.2 } },
+    { name: 'lora_3', value: { on: true, lora: null, strength: 1 } }, { name: 'button', value: '' }]
+  assert.deepEqual(rowsOf(power), [row('a.safetensors', 0.7), row('b.safetensors', 1, 0.2, false)])
+  assert.deepEqual(rowsOf({ ...power, mode: 4 }), [row('a.safetensors', 0.7, 0.7, false), row('b.safetensors', 1, 0.2, false)])
+})
+
+test('forks, separate chains and a clip from elsewhere are refused with the reason', () => {
+  const a = loader(11, 1, 1, { lora_name: 'a' })
+  assert.throws(() => orderChain([a, loader(12, 11, 11, {}), loader(13, 11, 11, {})]), /branch/)
+  assert.throws(() => orderChain([a, loader(14, 2, 2, {})]), /2 separate chains/)
+  assert.throws(() => orderChain([a, loader(12, 11, 5, {})]), (e) => e instanceof ChainError && /CLIP of loader #12/.test(e.message))
+  assert.throws(() => orderChain([]), /select/)
+  const many = Array.from({ length: 65 }, (_, i) => loader(100 + i, i ? 99 + i : 1, i ? 99 + i : 1, { lora_name: `l${i}` }))
+  assert.throws(() => planConversion(many), /65 LoRAs; one node holds 64/)
+})
