@@ -68,6 +68,7 @@ class MultiLoRARows:
         names = named_rows(inputs, MAX_ROWS)
         return bridge.file_state("loras", names) + "\n" + sidecar_state(names)
 
+    @bridge.host_errors
     def load(self, model, clip=None, lora_stack=None, max_loras=0, single_strength=False, **rows):
         try:
             own = row_entries(rows, bool(single_strength), MAX_ROWS)

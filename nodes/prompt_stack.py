@@ -66,6 +66,7 @@ class LoRAStackFromPrompt:
         except TagError as e:
             return str(e)
 
+    @bridge.host_errors
     def stack(self, text, lora_stack=None):
         try:
             items = entries(lora_stack) + prompt_entries(text, bridge.lora_names())
