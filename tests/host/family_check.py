@@ -185,7 +185,8 @@ class FamilyRun:
 
     def ours(self, case: Case) -> tuple:
         adapters = [self.files[layout][1] for layout, _ in case.entries]
-        stack = [self.bridge.StackEntry(a, s, 0.0) for a, (_, s) in zip(adapters, case.entries)]
+        strengths = [s for _, s in case.entries]
+        stack = [self.bridge.StackEntry(a, s, 0.0) for a, s in zip(adapters, strengths)]
         clone = self.bridge.apply_stack(self.base, None, stack, len(stack))[0]
         self.mm.load_models_gpu([clone])
         out = self.forward()
