@@ -22,11 +22,9 @@ from __future__ import annotations
 
 from . import bridge
 from .loader import MultiLoRALoader
-from .rows import LoRAStackRows, named_rows, row_entries, row_inputs, switched_rows
+from .rows import MAX_ROWS, LoRAStackRows, named_rows, row_entries, row_inputs, switched_rows
 from .stack import CATEGORY, StackError, as_stack, entries
 from .triggers import sidecar_state, trigger_text
-
-MAX_ROWS = 64  # MultiLoRALoader's most slots: one row each
 
 
 class MultiLoRARows:

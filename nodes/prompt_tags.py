@@ -73,14 +73,15 @@ def find_tags(text: str) -> list[Tag]:
 
 
 def strip_tags(text: str) -> str:
-    """`text` without its tags: no doubled spaces or commas, no space before a comma, no empty line left by a tag."""
+    """`text` without its tags: no doubled spaces or commas, no space before a comma, no comma opening a line and no
+    empty line left by a tag. A comma that ends a line is the prompt's own and stays."""
     lines = []
     for line in TAG.sub(" ", text).splitlines():
         had_text = bool(line.strip())
         line = re.sub(r"[ \t]+", " ", line)
         line = re.sub(r"\s+,", ",", line)
         line = re.sub(r",(\s*,)+", ",", line)
-        line = line.strip().strip(",").strip()
+        line = line.strip().lstrip(",").strip()
         if line or not had_text:
             lines.append(line)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()

@@ -35,7 +35,7 @@ from .stack import (
     strength_error,
 )
 
-MAX_ROWS = 12
+MAX_ROWS = 64  # one row per slot: the most slots a loader holds
 FIELDS = ("enabled", "lora", "strength_model", "strength_clip")
 
 

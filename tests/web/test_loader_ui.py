@@ -172,7 +172,8 @@ SIXTEEN = [synth.LORA_NAMES[k] for k in ("kohya", "peft", "locon")] + [META_LORA
 
 def test_sixteen_rows_toggle_all_and_reload(ui, browser, artifacts):
     b = browser
-    b.js("() => { app.graph.clear(); app.canvas.ds.scale = 0.5; app.canvas.ds.offset = [40, 40] }")
+    # clear of the sidebar and the breadcrumb, which sit over the canvas's left and top edges
+    b.js("() => { app.graph.clear(); app.canvas.ds.scale = 0.5; app.canvas.ds.offset = [400, 60] }")
     node = b.js("""() => {
       const n = LiteGraph.createNode('MultiLoRARows')
       n.pos = [40, 40]

@@ -45,6 +45,8 @@ def test_text_without_tags():
     text = "a photo, <lora:x:0.5>, of a cat  <lora:y> ,  red\n<lora:z:1>\n\n\n\nlast line <lyco:w>"
     assert tags.strip_tags(text) == "a photo, of a cat, red\n\nlast line"
     assert tags.strip_tags("no tags,  here") == "no tags, here"
+    assert tags.strip_tags("masterpiece,\n<lora:a>, best quality, <lora:b:0.5>\nred,") == \
+        "masterpiece,\nbest quality,\nred,"  # the prompt's own line-end commas stay
     assert tags.TAG.search(tags.strip_tags(text)) is None
 
 
