@@ -96,7 +96,9 @@ def check_against_stock(server, fp32_server, stack, with_clip: bool, record_prop
     assert np.array_equal(mine, one(server, two_nodes(stack, with_clip))), \
         "MultiLoRARows must equal LoRAStackRows → MultiLoRALoader bit for bit"
     fused = one(server, stock(stack, with_clip))
-    kohya = [e for e in stack if e[0] not in (CHARACTER, DETAIL)]
+    # The arithmetic floor of one kohya file computed two ways. Over many files the bypass path's per-file sums in
+    # the compute dtype drift further (14 files: a mean of 16 levels) than the fused path is from the runtime's.
+    kohya = [e for e in stack if e[0] not in (CHARACTER, DETAIL)][:1]
     floors = {"fused vs bypass": mad(one(server, stock(kohya, False)), one(server, stock(kohya, False, bypass=True))),
               "reversed order": mad(fused, one(server, stock(stack[::-1], with_clip))),
               "one level": 1.0 / fused.size}  # the least two images that differ at all can differ by
