@@ -134,6 +134,13 @@ def test_a_chain_of_three_loaders_converts_undoes_and_converts_again(ui, browser
     assert P.state(b, node)["rows"] == s["rows"]
     ui["node"] = node
     P.screenshot(b, node, artifacts / "loader_converted.png")
+    b.js("""(id) => {
+      const n = app.graph.getNodeById(id)
+      app.canvas.ds.scale = 1
+      app.canvas.ds.offset = [320 - n.pos[0], 90 - n.pos[1]]
+      app.canvas.setDirty(true, true)
+    }""", node)
+    P.screenshot(b, node, artifacts / "loader_node.png")  # at 100 %, as docs/images/multilora_loader.png shows it
 
 
 def test_the_converted_node_queues_the_image_of_the_chain(ui, browser, web_server):
