@@ -130,12 +130,15 @@ PROMPT = (f"a lighthouse, <lora:{stem(STYLE)}:0.8>  oil painting <lora:{CHARACTE
 
 
 def test_prompt_stack_equals_the_chain_and_its_text_has_no_tags(server, three_with_clip):
+    # MultiLoRARows' image of the same rows, which equals the stock chain within the floors (three_with_clip). It is
+    # made again just before: a bank keeps the slots of earlier prompts, and the sum over other slots may round
+    # differently, so only back-to-back runs of one stack are equal bit for bit.
+    rows_image = one(server, multi_rows(THREE, True))
     p = from_prompt(PROMPT)
     shown = texts(server, p)
     assert shown["shown_text"] == "a lighthouse, oil painting,\ndusk"
     assert json.loads(shown["shown_stack"]) == [list(e) for e in THREE]
-    # MultiLoRARows' image of the same rows, which equals the stock chain within the floors
-    assert np.array_equal(one(server, p), three_with_clip), "the same stack gives the same image"
+    assert np.array_equal(one(server, p), rows_image), "the same stack gives the same image"
 
 
 @pytest.fixture(scope="module")
