@@ -75,24 +75,28 @@ def ranks(tensors: Mapping[str, Sequence[int]]) -> list[int]:
     return sorted({int(shape[0]) for k, shape in tensors.items() if k.endswith(DOWN_SUFFIXES) and len(shape) >= 2})
 
 
+def tag_counts(raw: str | None) -> Counter:
+    """How many captions carry each tag of kohya's `ss_tag_frequency` ({dataset: {tag: count}}), over its datasets;
+    empty for a value that is missing or not of that shape."""
+    try:
+        doc = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):  # not JSON, integers of >4300 digits, nesting past the stack
+        return Counter()
+    counts: Counter = Counter()
+    if isinstance(doc, dict):
+        for tags in doc.values():
+            if isinstance(tags, dict):
+                for tag, n in tags.items():
+                    if isinstance(n, (int, float)) and not isinstance(n, bool) and str(tag).strip():
+                        counts[str(tag).strip()] += n
+    return counts
+
+
 def triggers(metadata: Mapping[str, str]) -> list[str]:
     out: list[str] = []
     phrase = metadata.get("modelspec.trigger_phrase", "")
     out += [t.strip() for t in phrase.split(",") if t.strip()]
-    raw = metadata.get("ss_tag_frequency")
-    if raw:
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError):  # not JSON, integers of >4300 digits, nesting past the stack
-            doc = None
-        counts: Counter = Counter()
-        if isinstance(doc, dict):
-            for tags in doc.values():
-                if isinstance(tags, dict):
-                    for tag, n in tags.items():
-                        if isinstance(n, (int, float)) and not isinstance(n, bool):
-                            counts[str(tag).strip()] += n
-        out += [tag for tag, _ in counts.most_common() if tag]
+    out += [tag for tag, _ in tag_counts(metadata.get("ss_tag_frequency")).most_common()]
     seen: list[str] = []
     for t in out:
         t = _text(t)

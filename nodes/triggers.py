@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from ..lora_engine import LoRAError, read_header
 from . import bridge
-from .lora_info import MAX_TRIGGERS
+from .lora_info import MAX_TRIGGERS, tag_counts
 
 MAX_SIDECAR = 4 << 20  # bytes; Civitai's .info files are a few KB
 
@@ -78,17 +77,7 @@ def sidecar_words(path: str) -> list[str]:
 
 def most_frequent_tags(raw: str | None) -> list[str]:
     """The tags of an `ss_tag_frequency` value ({dataset: {tag: count}}) with the highest count, in file order."""
-    try:
-        doc = json.loads(raw) if raw else None
-    except (ValueError, RecursionError):
-        return []
-    counts: Counter = Counter()
-    if isinstance(doc, dict):
-        for tags in doc.values():
-            if isinstance(tags, dict):
-                for tag, n in tags.items():
-                    if isinstance(n, (int, float)) and not isinstance(n, bool) and str(tag).strip():
-                        counts[str(tag).strip()] += n
+    counts = tag_counts(raw)
     top = max(counts.values(), default=0)
     return [tag for tag, n in counts.items() if n == top and top > 0][:MAX_TRIGGERS]
 
