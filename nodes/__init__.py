@@ -1,5 +1,6 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
+from .as_patches import LoRAStackAsPatches
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
@@ -16,6 +17,7 @@ NODE_CLASS_MAPPINGS = {
     "LoRAConditioningStrengths": LoRAConditioningStrengths,
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
+    "LoRAStackAsPatches": LoRAStackAsPatches,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackFromPrompt": LoRAStackFromPrompt,
     "LoRAStackRows": LoRAStackRows,
@@ -31,6 +33,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAConditioningStrengths": "LoRA Strengths for Conditioning (Multi-LoRA)",
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
+    "LoRAStackAsPatches": "LoRA Stack as Weight Patches (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackFromPrompt": "LoRA Stack from Prompt <lora:…> (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
@@ -42,5 +45,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 
 try:
     from . import routes  # noqa: F401  (registers the routes when a server exists)
+    from . import keep_warning  # noqa: F401  (checks each queued prompt for a save or merge after a runtime stack)
 except (ImportError, AttributeError):
     routes = None

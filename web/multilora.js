@@ -79,7 +79,7 @@ const services = {
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast
-  if (t) t.add({ severity, summary, detail, life: severity === 'error' ? 8000 : 3000 })
+  if (t) t.add({ severity, summary, detail, life: { error: 8000, warn: 12000 }[severity] ?? 3000 })
   else if (severity === 'error') window.alert(`${summary}: ${detail}`)
 }
 
@@ -144,6 +144,11 @@ app.registerExtension({
     // ComfyUI tells only the tab that queued a prompt that it ran; every tab hears that the queue emptied.
     api.addEventListener('status', (e) => {
       if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
+    })
+    // multilora.warning: a queued prompt saves or merges a model whose stack runs at sampling time only
+    // (nodes/keep_warning.py); the server logs it too.
+    api.addEventListener('multilora.warning', (e) => {
+      toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', e.detail?.message ?? '')
     })
     refreshStatus()
   },
