@@ -38,11 +38,11 @@ from .files import file_state, filenames, load_lora, load_loras, lora_names, res
 from .injection import applied
 from .models import TEXT_ENCODER_LAYER, reaches_model, reports
 from .patches import as_patches
-from .status import cells_that_fit, loaded_models, output_types, server_routes, watch_prompts
+from .status import cells_that_fit, loaded_models, server_routes, watch_prompts
 
 __all__ = [
     "SAFETENSORS", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "as_patches", "bake", "bake_path", "bake_target",
     "cells_that_fit", "check_interrupt", "file_state", "filenames", "host_errors", "load_lora", "load_loras",
     "load_unet", "loaded_models", "lora_names", "progress", "reaches_model", "refuse_quantized", "reports", "resolve",
-    "output_types", "server_routes", "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
+    "server_routes", "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
 ]

@@ -51,16 +51,6 @@ def cells_that_fit(model, samples) -> int:
     return max(1, int(free * 0.8 // max(per_item, 1)))
 
 
-def output_types(class_type: str) -> tuple:
-    """The output types of a node class ComfyUI knows (its RETURN_TYPES), or () for one it does not."""
-    import nodes  # ComfyUI's own module of node classes, with every custom node's
-    cls = nodes.NODE_CLASS_MAPPINGS.get(class_type)
-    try:
-        return tuple(getattr(cls, "RETURN_TYPES", ()) or ()) if cls is not None else ()
-    except Exception:  # a class whose RETURN_TYPES property fails is a node the check cannot follow
-        return ()
-
-
 def watch_prompts(check, event: str) -> None:
     """Run `check(prompt)` on each prompt queued (ComfyUI's on-prompt hook); each warning it returns (a dict with a
     "message") goes to the server log and, as `event`, to the browser that queued the prompt. A check that fails

@@ -3,9 +3,9 @@ nodes.
 
 - CheckpointSave after LoRAStackAsPatches, loaded back with CheckpointLoaderSimple and sampled without LoRAs, gives
   the runtime stack's image (MultiLoRALoader with the same stack), for kohya, PEFT, LoCon and LoHa files with model
-  and clip strengths. The floor is ComfyUI's own fused chain against its bypass chain over the same stack, model
-  and clip (the same math, the fused one rounded into the weights, the clip's into fp16 on CPU, as a saved
-  checkpoint is; the bypass one added to the layers' outputs, as the runtime does), and the chain in reverse order.
+  and clip strengths. The floors: ComfyUI's own fused chain against its bypass chain on one kohya file, model and
+  clip (the same math, the fused one rounded into the weights, the clip's into fp16 on CPU, as a saved checkpoint
+  is; the bypass one added to the layers' outputs, as the runtime does), and the stock chain in reverse order.
 - ModelMergeSimple at ratio 0.5 of the patched model with the base gives the stock LoraLoader chain's merge; the
   floor is the stock chain's merge in reverse order.
 - A missing LoRA and a scheduled entry are refused with their names and remedies, and the server samples after.
@@ -147,17 +147,20 @@ def test_checkpoint_save_of_the_patches_samples_the_runtime_image(server, models
         shutil.rmtree(out_dir, ignore_errors=True)
         server.post_json("/free", {"unload_models": True, "free_memory": True})
     fused = one(server, stock(STACK))
-    floors = {"stock fused vs bypass, model and clip": mad(fused, one(server, stock(STACK, bypass=True))),
+    kohya = STACK[:1]  # the bypass chain reads one kohya file as the fused one does (test_multilora.py)
+    floors = {"stock fused vs bypass, one kohya file, model and clip": mad(one(server, stock(kohya)),
+                                                                           one(server, stock(kohya, bypass=True))),
               "stock reversed order": mad(fused, one(server, stock(STACK[::-1]))),
               "one level": 1.0 / fused.size}
     base = one(server, stock([(n, 0.0, 0.0) for n, _, _ in STACK]))
     effect, diff = mad(runtime, base), mad(saved, runtime)
     tol = report(record_property, "saved checkpoint vs runtime", floors, diff, effect)
     record_property("saved vs patched before the save", mad(saved, patched))
+    print(f"patched vs runtime {mad(patched, runtime):.5f}, saved vs patched {mad(saved, patched):.5f}")
     assert effect > 10 * tol
     assert diff <= tol
     assert mad(patched, runtime) <= tol
-    assert mad(saved, patched) <= tol  # the file holds the weights the patched model sampled with
+    assert np.array_equal(saved, patched)  # the file holds the weights the patched model sampled with
 
 
 def test_merge_of_the_patched_model_equals_the_stock_chains_merge(server, loha, record_property):
@@ -230,4 +233,46 @@ def test_block_weights_become_per_layer_strengths(server, loha, record_property)
     tol = report(record_property, "block weights, patches vs runtime", floors, mad(patched, runtime),
                  mad(runtime, fused))
     assert mad(runtime, fused) > 10 * tol  # the block weights change the image
+    assert mad(patched, runtime) <= tol
+
+
+READS_WEIGHT = "synth_dora_oft_as_patches.safetensors"
+ATTN = tuple(f"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_{p}" for p in ("to_q", "to_k", "to_v"))
+
+
+@pytest.fixture(scope="module")
+def reads_weight(models_dir):
+    """A file whose layers' ΔW reads the base weight, where ComfyUI 0.28 computes it otherwise (docs/engine.md):
+    DoRA magnitudes on the output axis (ComfyUI divides by the base weight's norm) on the kohya file's to_q and to_k,
+    and a LyCORIS diag-OFT (blocks of 4 rows, no constraint; ComfyUI scales its rotation by s²) on to_v."""
+    target = models_dir / "loras" / READS_WEIGHT
+    if not target.exists():
+        gen = torch.Generator().manual_seed(505)
+        sd = {}
+        with safe_open(str(models_dir / "loras" / KOHYA), "pt") as f:
+            for layer in ATTN[:2]:
+                for part in (".lora_down.weight", ".lora_up.weight", ".alpha"):
+                    sd[layer + part] = f.get_tensor(layer + part)
+                out = sd[layer + ".lora_up.weight"].shape[0]
+                sd[layer + ".dora_scale"] = 1.0 + 0.5 * torch.randn(out, 1, generator=gen)
+            out = f.get_slice(ATTN[2] + ".lora_up.weight").get_shape()[0]
+        sd[ATTN[2] + ".oft_blocks"] = 0.3 * torch.randn(out // 4, 4, 4, generator=gen)
+        sd[ATTN[2] + ".alpha"] = torch.tensor(0.0)
+        save_file(sd, str(target))
+    return target
+
+
+def test_dora_and_oft_take_the_runtime_delta(server, reads_weight, record_property):
+    """DoRA and OFT as the engine's ΔW: the patched model samples the runtime image, where the stock chain does not
+    (the floor: the stock chain fused against bypass on the kohya file, model only)."""
+    stack = [(KOHYA, 0.8, 0.0), (READS_WEIGHT, 0.6, 0.0)]
+    runtime = one(server, sampled(through("MultiLoRALoader", stack, with_clip=False), with_clip=False))
+    patched = one(server, sampled(through("LoRAStackAsPatches", stack, with_clip=False), with_clip=False))
+    fused = one(server, stock(stack[:1], with_clip=False))
+    floors = {"stock fused vs bypass": mad(fused, one(server, stock(stack[:1], False, bypass=True))),
+              "one level": 1.0 / fused.size}
+    effect = mad(runtime, fused)  # the DoRA and OFT file's own effect on top of the kohya file
+    tol = report(record_property, "DoRA and OFT, patches vs runtime", floors, mad(patched, runtime), effect)
+    record_property("stock chain vs runtime", mad(one(server, stock(stack, with_clip=False)), runtime))
+    assert effect > 10 * tol
     assert mad(patched, runtime) <= tol
