@@ -1,5 +1,6 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
+from . import bridge, keep_warning
 from .as_patches import LoRAStackAsPatches
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
@@ -45,6 +46,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 
 try:
     from . import routes  # noqa: F401  (registers the routes when a server exists)
-    from . import keep_warning  # noqa: F401  (checks each queued prompt for a save or merge after a runtime stack)
+    bridge.watch_prompts(keep_warning.warnings, keep_warning.EVENT)  # a save or merge after a runtime stack
 except (ImportError, AttributeError):
     routes = None

@@ -6,8 +6,6 @@ that queued the prompt, which shows it as a toast (web/multilora.js). The remedy
 
 from __future__ import annotations
 
-from . import bridge
-
 # The nodes whose MODEL and CLIP outputs carry a stack run at sampling time (bridge.apply_stack): output slot → kind.
 RUNTIME = {"MultiLoRALoader": {0: "MODEL", 1: "CLIP"}, "MultiLoRARows": {0: "MODEL", 1: "CLIP"},
            "LoRAStrengthGrid": {0: "MODEL", 1: "CLIP"}}
@@ -73,5 +71,3 @@ def warnings(prompt: dict) -> list[dict]:
             break
     return out
 
-
-bridge.watch_prompts(warnings, EVENT)

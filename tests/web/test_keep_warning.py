@@ -2,8 +2,9 @@
 against a real server.
 
 A workflow whose ModelMergeSimple takes MultiLoRALoader's model is queued with the Run button: the browser that
-queued it shows a warning toast naming the merge, the loader and LoRAStackAsPatches as the remedy. The same
-workflow with LoRAStackAsPatches in the loader's place shows none. Screenshots go to .artifacts/web/.
+queued it shows a warning toast, which stays until it is closed, naming the merge, the loader and
+LoRAStackAsPatches as the remedy. The same workflow with LoRAStackAsPatches in the loader's place shows none.
+Screenshots go to .artifacts/web/.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from . import page as P
 pytestmark = pytest.mark.web
 
 # The text of every toast message on the page.
-TOASTS = """() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.textContent)"""
+TOASTS = "() => [...document.querySelectorAll('.p-toast-message')].map((e) => e.textContent)"
+WARNED = f"() => {{ const t = ({TOASTS})().filter((x) => x.includes('LoRAStackAsPatches')); return t.length ? t : null }}"
 
 
 def merge_after(node_class: str) -> dict:
@@ -43,15 +45,17 @@ def ui(browser, web_server):
 
 
 def queue(b, web_server, prompt: dict) -> None:
+    """Load `prompt` as a workflow and press Run; returns once the prompt ran (the toast comes as it is queued)."""
     b.js("async (w) => { await app.loadGraphData(w) }", convert(prompt, web_server.object_info()))
     P.settle(b, 0.5)
     P.queue_from_ui(b)
 
 
 def test_a_merge_after_the_runtime_loader_shows_a_warning_toast(ui, web_server, artifacts):
+    at = web_server.log_offset()
     queue(ui, web_server, merge_after("MultiLoRALoader"))
-    texts = ui.wait_for(f"() => {{ const t = ({TOASTS})().filter((x) => x.includes('LoRAStackAsPatches')); "
-                        "return t.length ? t : null }", timeout_s=30)
+    assert "merges the weights without the LoRAs of MultiLoRALoader" in web_server.log_text(since=at)
+    texts = ui.wait_for(WARNED, timeout_s=10)
     ui.call("screenshot", path=str(artifacts / "keep_warning_toast.png"))
     assert len(texts) == 1, texts
     text = texts[0]
@@ -63,6 +67,7 @@ def test_a_merge_after_the_runtime_loader_shows_a_warning_toast(ui, web_server, 
 def test_the_merge_of_weight_patches_shows_none(ui, web_server):
     ui.js("() => document.querySelectorAll('.p-toast-message .p-toast-close-button').forEach((b) => b.click())")
     ui.wait_for(f"() => ({TOASTS})().every((x) => !x.includes('LoRAStackAsPatches'))", timeout_s=10)
+    at = web_server.log_offset()
     queue(ui, web_server, merge_after("LoRAStackAsPatches"))
-    P.settle(ui, 1.0)  # the event of a warning arrives before the prompt runs, so it would have arrived by now
-    assert not [t for t in ui.js(TOASTS) if "LoRAStackAsPatches" in t]
+    assert "merges the weights without" not in web_server.log_text(since=at)
+    assert not [t for t in ui.js(TOASTS) if "LoRAStackAsPatches" in t]  # the event comes before the prompt runs
