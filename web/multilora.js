@@ -80,7 +80,8 @@ const services = {
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast
   // A warning stays until it is closed: it says that a file being written lacks the stack's LoRAs.
-  if (t) t.add({ severity, summary, detail, life: { error: 8000, warn: undefined }[severity] ?? 3000 })
+  const life = severity === 'error' ? 8000 : severity === 'warn' ? undefined : 3000
+  if (t) t.add({ severity, summary, detail, life })
   else if (severity === 'error') window.alert(`${summary}: ${detail}`)
 }
 
@@ -147,15 +148,10 @@ app.registerExtension({
       if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
     })
     // multilora.warning: a queued prompt saves or merges a model whose stack runs at sampling time only
-    // (nodes/keep_warning.py); the server logs it too. It arrives while the Run request is in flight, and a toast
-    // shown then is cleared as the request ends: it is shown at the queue's next message.
-    const warnings = []
-    api.addEventListener('multilora.warning', (e) => warnings.push(e.detail?.message ?? ''))
-    for (const event of ['status', 'execution_start', 'execution_error']) {
-      api.addEventListener(event, () => {
-        for (const w of warnings.splice(0)) toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', w)
-      })
-    }
+    // (nodes/keep_warning.py); the server logs it too.
+    api.addEventListener('multilora.warning', (e) => {
+      toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', e.detail?.message ?? '')
+    })
     refreshStatus()
   },
 
