@@ -34,8 +34,9 @@ class LoRAStackSave:
                 "model": ("MODEL", {"tooltip": "The diffusion model the stack is for: it names the layers."}),
                 "lora_stack": ("LORA_STACK", {"tooltip": "The stack to save, from LoRAStack or any pack's "
                                               "(lora_name, strength_model, strength_clip) list."}),
-                "filename": ("STRING", {"default": "stack.safetensors", "tooltip": "The file to write in the loras "
-                                        "folder, <name>.safetensors; a subfolder may be named."}),
+                "filename": ("STRING", {"default": "stack.safetensors", "tooltip": "The file to write, "
+                                        "<name>.safetensors, in the loras folder of the stack's first LoRA; a "
+                                        "subfolder may be named."}),
                 "rank": ("INT", {"default": 0, "min": 0, "max": 4096, "tooltip": "0 saves the stack exactly (each "
                                  "layer's rank is the sum of the LoRAs' ranks). Above 0, each layer of a higher rank "
                                  "is reduced to it by SVD, computed on the model's device."}),
@@ -54,7 +55,7 @@ class LoRAStackSave:
     def IS_CHANGED(cls, lora_stack=None, filename=None, **_):
         names = [e[0] for e in lora_stack or () if isinstance(e, (list, tuple)) and e and isinstance(e[0], str)]
         try:
-            target = bridge.save_target(filename, "loras", True)
+            target = bridge.save_target(filename, "loras", True, bridge.resolve("loras", names[0]))
             st = os.stat(target) if os.path.exists(target) else None
             here = f"{target}:{(st.st_size, st.st_mtime_ns) if st else None}"
         except Exception as e:  # noqa: BLE001  (the run reports a bad name)
@@ -72,9 +73,10 @@ class LoRAStackSave:
             items = entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        bridge.save_target(filename, "loras", bool(overwrite))  # a bad name is refused before any LoRA is read
         if not items:
             raise ValueError("LoRAStackSave got an empty stack; add a LoRA to save")
+        # A bad name is refused before any LoRA is read.
+        bridge.save_target(filename, "loras", bool(overwrite), bridge.resolve("loras", items[0].name))
         adapters = bridge.load_loras([e.name for e in items])
         stack = [e.loaded(a) for e, a in zip(items, adapters)]
         _, text, _ = bridge.save_stack(model, clip, stack, filename, int(rank), bool(overwrite), precision)

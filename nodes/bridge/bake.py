@@ -145,11 +145,13 @@ def check_name(name: object, folder: str, what: str, thing: str, field: str) -> 
                             "systems refuse", path=name[:80] + "...", remedy=f"choose a shorter {field}")
 
 
-def save_target(name: str, folder: str, overwrite: bool) -> str:
-    """Where a file named `name` (checked as `check_name` checks a bake name) may be written in `folder`'s first
-    configured directory, never outside it; an existing file is an error unless `overwrite` is on."""
+def save_target(name: str, folder: str, overwrite: bool, near: str | None = None) -> str:
+    """Where a file named `name` (checked as `check_name` checks a bake name) may be written: in the configured
+    directory of `folder` that holds the file `near` (the first one where none does), never outside it. An existing
+    file is an error unless `overwrite` is on."""
     check_name(name, folder, "file name", "the file", "filename")
-    root = os.path.realpath(folder_paths.get_folder_paths(folder)[0])
+    roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths(folder)]
+    root = next((r for r in roots if near and near.startswith(r.rstrip(os.sep) + os.sep)), roots[0])
     target = os.path.realpath(os.path.join(root, name))
     if not target.startswith(root.rstrip(os.sep) + os.sep):
         raise LoRAFileError(f"the file name resolves outside the {folder} folder", path=name)

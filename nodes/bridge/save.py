@@ -114,10 +114,10 @@ class _Offset:
 
 def save_stack(model, clip, stack: Sequence[StackEntry], name: str, rank: int, overwrite: bool,
                precision: str = "fp32") -> tuple[str, str, list[LayerResult]]:
-    """Write the stack as one kohya LoRA file `name` in the loras folder; (the file's path, the report text, each
+    """Write the stack as one kohya LoRA file `name` in the loras folder of its first LoRA; (the file's path, the report text, each
     layer's result). Exact where `rank` is 0, else each layer above `rank` reduced to it by SVD on the model's
     device. The write is atomic and honours an interrupt; nothing is written before every check has passed."""
-    target = save_target(name, "loras", overwrite)
+    target = save_target(name, "loras", overwrite, stack[0].adapter.path if stack else None)
     layers = saved_layers(model, clip, stack)
     if not layers:
         raise LoRAFileError("the stack patches no layer at its strengths (every strength is 0, or no LoRA matches "
