@@ -7,8 +7,11 @@
   order, and one level of one pixel. The stack's own effect must be at least 10× the tolerance.
 - Reduced to ranks 4, 8 and 16: the report gives each layer's relative error, the file's metadata the same largest
   error, and the errors shrink as the rank grows.
-- A bad name, an existing file without overwrite, and an interrupt while the file is written: each a clear error,
-  the loras folder exactly as it was (names, sizes, modification times), and the server still answering.
+- Model only, with block weights on one LoRA: the file through a stock `LoraLoader` gives MultiLoRALoader's image of
+  the same block-weighted stack.
+- A bad name, an existing file without overwrite, a schedule, clip strengths without a CLIP, and an interrupt while
+  the file is written: each a clear error, the loras folder exactly as it was (names, sizes, modification times),
+  and the server still answering.
 """
 
 from __future__ import annotations
@@ -64,7 +67,14 @@ def loras(models_dir, comfy_root, comfy_python):
     return folder
 
 
-def stack_nodes(stack) -> dict:
+# The last entry's block weights (a custom text), folded into its layers' strengths by LoRAStackSave.
+BLOCKS = {"class_type": "LoRABlockWeights", "inputs": {"entry": "", "preset": "custom",
+                                                       "weights": "IN04=0, MID=0.3, OUT=0.5"}}
+SCHEDULE = {"class_type": "LoRAStrengthSchedule", "inputs": {"entry": "", "keyframes": "0:1.0, 1.0:0.2",
+                                                             "interpolation": "linear"}}
+
+
+def stack_nodes(stack, shaping: dict | None = None) -> tuple[dict, list]:
     nodes, prev = {}, None
     for j, (name, sm, sc) in enumerate(stack):
         inputs = {"lora_name": name, "strength_model": sm, "strength_clip": sc}
@@ -72,11 +82,15 @@ def stack_nodes(stack) -> dict:
             inputs["lora_stack"] = prev
         nodes[f"s{j}"] = {"class_type": "LoRAStack", "inputs": inputs}
         prev = [f"s{j}", 0]
+    if shaping is not None:
+        nodes["shape"] = {"class_type": shaping["class_type"], "inputs": {**shaping["inputs"], "lora_stack": prev}}
+        prev = ["shape", 0]
     return nodes, prev
 
 
-def save_prompt(stack, filename: str, rank: int = 0, overwrite: bool = False, with_clip: bool = True) -> dict:
-    nodes, ref = stack_nodes(stack)
+def save_prompt(stack, filename: str, rank: int = 0, overwrite: bool = False, with_clip: bool = True,
+                shaping: dict | None = None) -> dict:
+    nodes, ref = stack_nodes(stack, shaping)
     inputs = {"model": ["1", 0], "lora_stack": ref, "filename": filename, "rank": rank, "overwrite": overwrite}
     if with_clip:
         inputs["clip"] = ["1", 1]
@@ -89,8 +103,8 @@ def save(server, *args, **kwargs) -> str:
     return entry["outputs"]["save"]["text"][0]
 
 
-def ours(stack, with_clip: bool) -> dict:
-    nodes, ref = stack_nodes(stack)
+def ours(stack, with_clip: bool, shaping: dict | None = None) -> dict:
+    nodes, ref = stack_nodes(stack, shaping)
     loader = {"model": ["1", 0], "lora_stack": ref, **({"clip": ["1", 1]} if with_clip else {})}
     nodes["l"] = {"class_type": "MultiLoRALoader", "inputs": loader}
     p = wf.model_graph(nodes, ["l", 0])
@@ -131,13 +145,25 @@ def test_the_exact_file_through_a_stock_loader_is_the_stack(server, loras, recor
     print(f"saved vs stock chain {diff:.5f} (tolerance {tol:.5f}); effect {effect:.2f}")
     assert effect > 10 * tol and diff <= tol
 
-    save(server, MODEL_ONLY, "stacksave_model.safetensors", with_clip=False)
+    # Model only, the last LoRA with block weights: against MultiLoRALoader with the same stack.
+    save(server, MODEL_ONLY, "stacksave_model.safetensors", with_clip=False, shaping=BLOCKS)
     saved = one(server, stock([("stacksave_model.safetensors", 1.0, 0.0)], False))
     tol, effect = floors(server, MODEL_ONLY, False)
-    diff = mad(saved, one(server, ours(MODEL_ONLY, False)))
+    runtime = one(server, ours(MODEL_ONLY, False, BLOCKS))
+    assert mad(runtime, one(server, ours(MODEL_ONLY, False))) > 10 * tol, "the block weights change nothing"
+    diff = mad(saved, runtime)
     record_property("saved vs MultiLoRALoader", diff)
     print(f"saved vs MultiLoRALoader {diff:.5f} (tolerance {tol:.5f}); effect {effect:.2f}")
     assert effect > 10 * tol and diff <= tol
+
+
+def test_the_node_carries_its_help(server):
+    node = server.object_info()["LoRAStackSave"]
+    assert node["description"].strip() and node["output_node"] is True
+    for part in ("required", "optional"):
+        for name, spec in node["input"].get(part, {}).items():
+            assert spec[1].get("tooltip", "").strip(), name
+    assert len(node["output_tooltips"]) == len(node["output"]) == 1 and node["output_tooltips"][0].strip()
 
 
 def errors_of(text: str) -> dict[str, float]:
@@ -167,12 +193,21 @@ def test_a_reduced_file_reports_errors_that_shrink_with_the_rank(server, loras):
 def test_a_bad_name_an_existing_file_and_an_interrupt_leave_the_folder_as_it_was(server, loras):
     save(server, MODEL_ONLY[:1], "stacksave_existing.safetensors", with_clip=False)
     before = folder_state(loras)
-    for name, message in (("../escape.safetensors", "'..' is refused"), ("bad.ckpt", "<name>.safetensors"),
-                          ("stacksave_existing.safetensors", "already exists")):
+    for name, message in (("../escape.safetensors", "LoRAFileError: '..' is refused"),
+                          ("bad.ckpt", "LoRAFileError: the file is written as <name>.safetensors"),
+                          ("stacksave_existing.safetensors", "LoRAFileError: a file of this name already exists")):
         with pytest.raises(ComfyExecutionError) as e:
             save(server, MODEL_ONLY[:1], name, with_clip=False)
-        assert "LoRAFileError" in str(e.value) and message in str(e.value), str(e.value)
+        assert message in str(e.value), str(e.value)
         assert folder_state(loras) == before, name
+    with pytest.raises(ComfyExecutionError) as e:  # a schedule: one strength per layer is all a file holds
+        save(server, MODEL_ONLY[:2], "stacksave_scheduled.safetensors", with_clip=False, shaping=SCHEDULE)
+    assert f"ShapingError: {CHARACTER} has a strength schedule" in str(e.value), str(e.value)
+    assert "remove its LoRAStrengthSchedule" in str(e.value)
+    assert folder_state(loras) == before
+    with pytest.raises(ComfyExecutionError) as e:  # clip strengths, no CLIP to name the text encoder's layers
+        save(server, STACK[:1], "stacksave_noclip.safetensors", with_clip=False)
+    assert "no CLIP is connected" in str(e.value) and folder_state(loras) == before, str(e.value)
 
     big = [(f"stacksave_big{i}.safetensors", 0.5, 0.0) for i in range(BIG)]
     pid = server.post_prompt(save_prompt(big, "stacksave_interrupted.safetensors", with_clip=False))
