@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import os
 
 from ..lora_engine.errors import shown
 
@@ -41,7 +40,8 @@ class LoRAStackSave:
                                  "layer's rank is the sum of the LoRAs' ranks). Above 0, each layer of a higher rank "
                                  "is reduced to it by SVD, computed on the model's device."}),
                 "overwrite": ("BOOLEAN", {"default": False, "tooltip": "Replace a file of that name. Off, an "
-                                          "existing file is an error and is left as it is."}),
+                                          "existing file is an error and is left as it is, unless it already "
+                                          "holds this very save (the same prompt queued again)."}),
             },
             "optional": {
                 "clip": ("CLIP", {"tooltip": "The text encoder: needed when the stack has text-encoder strengths; "
@@ -52,15 +52,12 @@ class LoRAStackSave:
         }
 
     @classmethod
-    def IS_CHANGED(cls, lora_stack=None, filename=None, **_):
+    def IS_CHANGED(cls, filename=None, lora_stack=None, **_):
+        """The target file's state (it exists or not, its size and times), so that a file written, replaced or
+        deleted since runs the node again; and the stack's files where the stack is known (a linked stack is not,
+        at this point: the node before it runs again when its files change)."""
         names = [e[0] for e in lora_stack or () if isinstance(e, (list, tuple)) and e and isinstance(e[0], str)]
-        try:
-            target = bridge.save_target(filename, "loras", True, bridge.resolve("loras", names[0]))
-            st = os.stat(target) if os.path.exists(target) else None
-            here = f"{target}:{(st.st_size, st.st_mtime_ns) if st else None}"
-        except Exception as e:  # noqa: BLE001  (the run reports a bad name)
-            here = str(e)
-        return here + "\n" + bridge.file_state("loras", names)
+        return bridge.file_state("loras", [filename, *names])
 
     @bridge.host_errors
     def save(self, model, lora_stack, filename, rank, overwrite, clip=None, precision="fp32"):
@@ -75,8 +72,8 @@ class LoRAStackSave:
             raise ValueError(str(e)) from None
         if not items:
             raise ValueError("LoRAStackSave got an empty stack; add a LoRA to save")
-        # A bad name is refused before any LoRA is read.
-        bridge.save_target(filename, "loras", bool(overwrite), bridge.resolve("loras", items[0].name))
+        # A bad name is refused before any LoRA is read (an existing file once they are, unless it holds this save).
+        bridge.save_target(filename, "loras", True, bridge.resolve("loras", items[0].name))
         adapters = bridge.load_loras([e.name for e in items])
         stack = [e.loaded(a) for e, a in zip(items, adapters)]
         _, text, _ = bridge.save_stack(model, clip, stack, filename, int(rank), bool(overwrite), precision)

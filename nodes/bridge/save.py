@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import comfy.lora
 import torch
 
-from ...lora_engine import LoRAFileError, ShapingError
+from ...lora_engine import LoRAError, LoRAFileError, ShapingError, read_header
 from ...lora_engine.binding import Geometry
 from ...lora_engine.combine import LayerResult, SavedLayer, combine
 
@@ -27,6 +27,7 @@ META_SOURCES = "multilora.sources"
 META_RANK = "multilora.rank"
 META_ERRORS = "multilora.errors"
 META_MAX_ERROR = "multilora.max_error"
+META_SAVED = "multilora.saved"  # the rank, precision, model and text encoder the file was saved with
 
 
 def lora_keys(root, kind: str) -> dict[str, str]:
@@ -114,10 +115,26 @@ class _Offset:
 
 def save_stack(model, clip, stack: Sequence[StackEntry], name: str, rank: int, overwrite: bool,
                precision: str = "fp32") -> tuple[str, str, list[LayerResult]]:
-    """Write the stack as one kohya LoRA file `name` in the loras folder of its first LoRA; (the file's path, the report text, each
-    layer's result). Exact where `rank` is 0, else each layer above `rank` reduced to it by SVD on the model's
-    device. The write is atomic and honours an interrupt; nothing is written before every check has passed."""
-    target = save_target(name, "loras", overwrite, stack[0].adapter.path if stack else None)
+    """Write the stack as one kohya LoRA file `name` in the loras folder of its first LoRA; (the file's path, the
+    report text, each layer's result). Exact where `rank` is 0, else each layer above `rank` reduced to it by SVD on
+    the model's device. The write is atomic and honours an interrupt; nothing is written before every check has
+    passed. An existing file is an error unless `overwrite` is on, or kept as it is where it already holds this save
+    (the same LoRAs, strengths, rank, precision, model and text encoder: the same prompt queued again)."""
+    target = save_target(name, "loras", True, stack[0].adapter.path if stack else None)
+    sources = [{"name": e.adapter.name, "fingerprint": e.adapter.fingerprint, "strength_model": e.strength_model,
+                "strength_clip": e.strength_clip, "blocks": e.blocks.text if e.blocks is not None else None}
+               for e in stack]
+    saved = {"rank": rank, "precision": precision, "model": type(model.model).__name__,
+             "clip": type(clip.cond_stage_model).__name__ if clip is not None else None}
+    identity = {META_SOURCES: json.dumps(sources), META_SAVED: json.dumps(saved, sort_keys=True)}
+    if os.path.exists(target) and not overwrite:
+        held = _metadata(target)
+        if all(held.get(k) == v for k, v in identity.items()):
+            log.info("[MultiLoRA] %s already holds this stack; not written again", target)
+            return target, (f"{os.path.basename(name)} already holds this stack ({held.get(META_RANK)}, largest "
+                            f"relative error {held.get(META_MAX_ERROR)}); not written again"), []
+        raise LoRAFileError("a file of this name already exists in loras", path=name,
+                            remedy="choose another filename, or turn overwrite on")
     layers = saved_layers(model, clip, stack)
     if not layers:
         raise LoRAFileError("the stack patches no layer at its strengths (every strength is 0, or no LoRA matches "
@@ -127,18 +144,21 @@ def save_stack(model, clip, stack: Sequence[StackEntry], name: str, rank: int, o
     items, results = combine(layers, rank, device=device, dtype=DTYPES[precision], check=check_interrupt,
                              progress=lambda done, total: bar.update_absolute(done, 2 * len(layers)))
     worst = max(results, key=lambda r: r.error)
-    sources = [{"name": e.adapter.name, "fingerprint": e.adapter.fingerprint, "strength_model": e.strength_model,
-                "strength_clip": e.strength_clip, "blocks": e.blocks.text if e.blocks is not None else None}
-               for e in stack]
     metadata = {
-        "ss_network_module": "networks.lora", "ss_network_dim": str(max(r.rank for r in results)),
-        META_SOURCES: json.dumps(sources), META_RANK: str(rank) if rank else "exact",
-        META_MAX_ERROR: f"{worst.error:.6g}",
+        "ss_network_module": "networks.lora", "ss_network_dim": str(max(r.rank for r in results)), **identity,
+        META_RANK: str(rank) if rank else "exact", META_MAX_ERROR: f"{worst.error:.6g}",
         META_ERRORS: json.dumps({r.key: round(r.error, 6) for r in results if r.error}),
     }
     write_atomic(target, items, metadata, _Offset(bar, len(layers)), check_interrupt, what="the LoRA file")
     log.info("[MultiLoRA] saved the stack as %s (%d layers, rank %s)", target, len(results), metadata[META_RANK])
     return target, report(name, rank, stack, results), results
+
+
+def _metadata(path: str) -> dict[str, str]:
+    try:
+        return read_header(path).metadata
+    except LoRAError:
+        return {}
 
 
 def report(name: str, rank: int, stack, results: list[LayerResult]) -> str:

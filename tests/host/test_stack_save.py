@@ -193,11 +193,13 @@ def test_a_reduced_file_reports_errors_that_shrink_with_the_rank(server, loras):
 def test_a_bad_name_an_existing_file_and_an_interrupt_leave_the_folder_as_it_was(server, loras):
     save(server, MODEL_ONLY[:1], "stacksave_existing.safetensors", with_clip=False)
     before = folder_state(loras)
+    again = save(server, MODEL_ONLY[:1], "stacksave_existing.safetensors", with_clip=False, rank=0, shaping=None)
+    assert "already holds this stack" in again and folder_state(loras) == before, again  # the same save: kept
     for name, message in (("../escape.safetensors", "LoRAFileError: '..' is refused"),
                           ("bad.ckpt", "LoRAFileError: the file is written as <name>.safetensors"),
                           ("stacksave_existing.safetensors", "LoRAFileError: a file of this name already exists")):
         with pytest.raises(ComfyExecutionError) as e:
-            save(server, MODEL_ONLY[:1], name, with_clip=False)
+            save(server, MODEL_ONLY[1:2], name, with_clip=False)  # another stack than the existing file's
         assert message in str(e.value), str(e.value)
         assert folder_state(loras) == before, name
     with pytest.raises(ComfyExecutionError) as e:  # a schedule: one strength per layer is all a file holds
