@@ -1,4 +1,4 @@
-"""A stack combined into one adapter (`lora_engine.combine`), against LyCORIS running the whole stack.
+"""A stack combined into one adapter (`lora_engine.combine`), against LyCORIS and PEFT running the whole stack.
 
 The stack: LyCORIS networks of several algorithms (LoCon with a Tucker core and 3x3 kernels, LoHa, LoKr, a plain
 LoRA, full diffs with bias diffs, DoRA at strength 1, where the engine's rule is LyCORIS's), all attached to one
@@ -6,7 +6,8 @@ copy of the tiny model of `lycoris_oracle`, each at its own multiplier: LyCORIS 
 layer's output, which is the reference. The combined file, written in kohya layout and loaded back as one adapter
 at strength 1, must give LyCORIS's output to `TOL` relative to the stack's effect. Reduced to a rank, each layer's
 reported error must equal the Eckart–Young error of torch's SVD of the layer's exact combined ΔW, and shrink as the
-rank grows.
+rank grows. PEFT's multi-adapter composition (`set_adapters` with weights) on tiny diffusers models is the other
+oracle, for kohya, PEFT and old-diffusers files.
 """
 
 from __future__ import annotations
@@ -170,3 +171,35 @@ def test_zero_strengths_and_a_lora_listed_twice(tmp_path):
     for k in t1:
         torch.testing.assert_close(t1[k], t2[k], rtol=1e-6, atol=1e-7)
     assert load_file(str(tmp_path / "1.safetensors")).keys() == t1.keys()
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute")
+@pytest.mark.parametrize("case_id", ["unet", "flux"])
+def test_the_combined_file_is_peft_running_the_three_adapters(tmp_path, case_id):
+    """The oracle of test_oracle_diffusers.py: a kohya, a PEFT and an old-diffusers file on a tiny diffusers UNet and
+    Flux transformer, PEFT running all three at once (`set_adapters` with their weights). The combined file, one
+    adapter at strength 1, gives PEFT's output to that test's tolerance, every layer as factors of the summed rank."""
+    od = pytest.importorskip("tests.engine.test_oracle_diffusers")
+    case = next(c for c in od.CASES if c.id == case_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        base = case.build().float().eval()
+    inputs = case.inputs(torch.Generator().manual_seed(99))
+    factors = [od.random_factors(base, spec, seed=100 + i) for i, spec in enumerate(case.adapters)]
+    ref = copy.deepcopy(base)
+    for spec, f in zip(case.adapters, factors):
+        od.load_reference_adapter(ref, spec, f)
+    ref.set_adapters([spec.name for spec in case.adapters], weights=list(od.STRENGTHS))
+    expected = od.forward(ref, inputs)
+    del ref
+    adapters = [load_adapter(od.write_adapter(tmp_path, case, spec, f)) for spec, f in zip(case.adapters, factors)]
+    layers = saved_layers(base, list(zip(adapters, od.STRENGTHS)))
+    items, results = combine(layers)
+    assert all(layer.low_rank for layer in layers) and all(r.rank == layer.rank for r, layer in zip(results, layers))
+    path = str(tmp_path / "combined.safetensors")
+    write(path, items)
+    model = copy.deepcopy(base)
+    SlotBank(model, max_loras=1).activate([(load_adapter(path), 1.0)])
+    got = od.forward(model, inputs)
+    assert od.max_diff(got, od.forward(base, inputs)) > od.MIN_EFFECT
+    assert od.max_diff(got, expected) <= od.TOL, od.max_diff(got, expected)
