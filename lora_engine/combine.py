@@ -236,9 +236,10 @@ def _layer_items(layer: SavedLayer, rank: int, device, dtype, results: list[Laye
     results.append(LayerResult(key, 0, 0.0))
 
 
-def _finite(t: torch.Tensor, layer: SavedLayer) -> torch.Tensor:
-    if not bool(torch.isfinite(t).all()):
-        names = ", ".join(t.plan.path or "?" for t in layer.live)
+def _finite(values: torch.Tensor, layer: SavedLayer) -> torch.Tensor:
+    """`values` of `layer`, or a `NonFiniteError` naming the layer's files where one is not finite."""
+    if not bool(torch.isfinite(values).all()):
+        names = ", ".join(term.plan.path or "?" for term in layer.live)
         raise NonFiniteError(f"the combined delta of layer {layer.name!r} is not finite", path=names, key=layer.key,
                              remedy="lower the strengths; a LoRA of the stack overflows fp32 on this layer")
-    return t
+    return values
