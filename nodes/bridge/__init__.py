@@ -11,6 +11,7 @@ It uses ComfyUI's extension points only:
   conditioning's strengths, and a grid's shared noise.
 - `ModelPatcher.add_patches` with ComfyUI's weight adapters, for a stack that save and merge nodes see (`patches`).
 - `comfy.utils.ProgressBar` for long work, and `comfy.sd` to load and bake DistillFuse's models (`bake`).
+- a stack written as one LoRA file, its layers named by inverting ComfyUI's key maps (`save`).
 - the engine's errors raised again as builtins whose message names their kind, where they leave the pack for
   ComfyUI (`errors`): ComfyUI titles an error by its class's module, which for the pack's is the server's path.
 
@@ -38,11 +39,13 @@ from .files import file_state, filenames, load_lora, load_loras, lora_names, res
 from .injection import applied
 from .models import TEXT_ENCODER_LAYER, reaches_model, reports
 from .patches import as_patches
+from .save import DTYPES as SAVE_DTYPES, save_stack, save_target
 from .status import cells_that_fit, loaded_models, server_routes, watch_prompts
 
 __all__ = [
-    "SAFETENSORS", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "as_patches", "bake", "bake_path", "bake_target",
-    "cells_that_fit", "check_interrupt", "file_state", "filenames", "host_errors", "load_lora", "load_loras",
-    "load_unet", "loaded_models", "lora_names", "progress", "reaches_model", "refuse_quantized", "reports", "resolve",
-    "server_routes", "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
+    "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "as_patches", "bake",
+    "bake_path", "bake_target", "cells_that_fit", "check_interrupt", "file_state", "filenames", "host_errors",
+    "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress", "reaches_model",
+    "refuse_quantized", "reports", "resolve", "save_stack", "save_target", "server_routes", "stored_weights",
+    "unet_keymap", "unet_options", "watch_prompts",
 ]
