@@ -11,6 +11,9 @@ nodes.
 - A missing LoRA and a scheduled entry are refused with their names and remedies, and the server samples after.
 - A save or a merge after MultiLoRALoader is named in the server log, with LoRAStackAsPatches as the remedy (the
   browser's toast: tests/web/test_keep_warning.py).
+- In-process (as_patches_check.py): each DoRA and OFT layer, patched, computes what the runtime stack computes, within
+  3× the floor of the kohya file's plain LoRA layers; the input model is left as it was; the save/merge check's
+  reading of prompts.
 Tolerances are 3× the largest floor; the LoRAs' own effect must be at least 10× the tolerance.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +33,7 @@ from tools import synth
 from tools.comfy_server import ComfyExecutionError
 
 from . import workflows as wf
+from .properties import assert_holds
 from .stock_compare import graph, mad, one
 
 pytestmark = pytest.mark.host
@@ -280,3 +285,22 @@ def test_dora_and_oft_take_the_runtime_delta(server, reads_weight, record_proper
     record_property("stock chain vs runtime", mad(one(server, stock(stack, with_clip=False)), runtime))
     assert effect > 10 * tol
     assert mad(patched, runtime) <= tol
+
+
+@pytest.fixture(scope="module")
+def in_process(run_script, reads_weight, tmp_path_factory, monkeypatch_module):
+    """The result of as_patches_check.py, run once for the module."""
+    monkeypatch_module.setenv("AS_PATCHES_READS_WEIGHT", str(reads_weight))
+    out = tmp_path_factory.mktemp("as_patches_check") / "result.json"
+    return json.loads(run_script(Path(__file__).with_name("as_patches_check.py"), out))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.mark.parametrize("name", ["layers_match_runtime", "input_left_as_it_was", "warning_cases"])
+def test_in_process(in_process, name):
+    assert_holds(in_process, name)
