@@ -44,6 +44,14 @@ STACK = [(KOHYA, 0.8, 0.8), (PEFT, -0.4, 0.5), (LOCON, 1.3, 0.0), (LOHA, 0.9, 0.
 SAVED = "as_patches_saved.safetensors"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def unload_after(server):
+    """The module's patched, merged and saved models unloaded as it ends, so that the session's next module starts
+    from the base weights."""
+    yield
+    server.post_json("/free", {"unload_models": True, "free_memory": True})
+
+
 @pytest.fixture(scope="module")
 def loha(models_dir, synth_assets):
     """A LyCORIS LoHa (rank 4, alpha 2) on the Linear layers the synthetic kohya file adapts, text encoder included."""
