@@ -90,7 +90,7 @@ def adapter_format(tensors: Mapping[str, Sequence[int]]) -> str | None:
     downs = [shape for k, shape in tensors.items() if k.endswith(DOWN_SUFFIXES)]
     if not downs:
         return None
-    return "LoCon" if any(len(shape) == 4 for shape in downs) else "LoRA"
+    return "LoCon" if any(len(shape) > 2 for shape in downs) else "LoRA"
 
 
 def tag_counts(raw: str | None) -> Counter:
