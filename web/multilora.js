@@ -1,11 +1,13 @@
 /**
  * The pack's frontend extension: rows, status and metadata on LoRAStackRows and MultiLoRARows nodes, their
- * "Copy LoRAs as A1111 prompt tags" menu entry, and "Convert to Multi-LoRA Loader" on LoRA loader chains.
+ * "Copy LoRAs as A1111 prompt tags" menu entry, "Convert to Multi-LoRA Loader" on LoRA loader chains, and the LoRA
+ * picker that every LoRA field of the pack's nodes opens (library.js PICKER_FIELDS): a click on the field's middle in
+ * the canvas (its arrows still step through the files), or on the field in the Vue node renderer ("Nodes 2.0").
  *
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
  * (onNodeCreated, onAdded, onConfigure, onSerialize, onDrawForeground, onConnectionsChange,
  * onRemoved), adds node menu entries (getNodeMenuItems), and fetches the pack's read-only routes. The rows live
- * in controller.js and rows.js, the conversion in chain.js and convert.js.
+ * in controller.js and rows.js, the conversion in chain.js and convert.js, the picker in picker.js and library.js.
  */
 
 import { api } from '../../scripts/api.js'
@@ -13,6 +15,8 @@ import { app } from '../../scripts/app.js'
 import { ChainError, isConvertible } from './chain.js'
 import { RowsController } from './controller.js'
 import { convertChain } from './convert.js'
+import { PICKER_FIELDS, isPickerField } from './library.js'
+import { LibraryStore, Picker } from './picker.js'
 
 const NODE_CLASSES = ['LoRAStackRows', 'MultiLoRARows']
 
@@ -75,6 +79,78 @@ const services = {
   },
   beforeChange: () => app.canvas?.emitBeforeChange?.(),
   afterChange: () => app.canvas?.emitAfterChange?.(),
+}
+
+const library = new LibraryStore(async (path) => {
+  const res = await api.fetchApi(path, { cache: 'no-store' })
+  return { ok: res.ok, text: await res.text() }
+})
+const picker = new Picker(library, (f) => api.apiURL(
+  `/multilora/preview?name=${encodeURIComponent(f.name)}&v=${encodeURIComponent(f.preview)}`))
+
+/** Open the picker for LoRA field `w` of `node`; the name picked becomes the field's value, as a user's edit. */
+function openPicker(node, w) {
+  const values = w.options?.values
+  picker.open({
+    current: w.value,
+    allowNone: Array.isArray(values) && values.includes('None'),
+    onPick(name) {
+      services.beforeChange()
+      w.value = name
+      w.callback?.(name, app.canvas, node)
+      node.setDirtyCanvas?.(true, true)
+      services.afterChange()
+    },
+  })
+}
+
+/** In the canvas: a click on the field's middle opens the picker; on its arrows it steps as before. */
+function attachPicker(node, w) {
+  const own = w.onClick
+  if (typeof own !== 'function' || w.multiloraPicker) return
+  w.multiloraPicker = true
+  w.onClick = function (options) {
+    const { e, node: n } = options
+    const x = e.canvasX - n.pos[0]
+    const width = this.width || n.size[0]
+    if (x < 40 || x > width - 40) return own.call(this, options)
+    openPicker(node, this)
+  }
+}
+
+/** In the Vue node renderer: a press on a LoRA field's select opens the picker in place of its list. */
+function vuePickerTarget(e) {
+  const trigger = e.target?.closest?.('[data-testid="widget-select-default-trigger"]')
+  const id = trigger?.closest('[data-node-id]')?.dataset.nodeId
+  if (id == null) return null
+  const graph = app.canvas?.graph ?? app.graph
+  const node = graph?.getNodeById(Number(id)) ?? graph?.getNodeById(id)
+  const label = trigger.getAttribute('aria-label')
+  const w = node?.widgets?.find((w) => isPickerField(node.type, w.name) && (w.label || w.name) === label)
+  return w ? { node, w } : null
+}
+
+function interceptVueSelects() {
+  const swallow = (e) => {
+    if (!vuePickerTarget(e)) return null
+    e.preventDefault()
+    e.stopImmediatePropagation()
+    return true
+  }
+  for (const type of ['pointerdown', 'mousedown', 'pointerup', 'mouseup']) window.addEventListener(type, swallow, true)
+  window.addEventListener('click', (e) => {
+    const t = vuePickerTarget(e)
+    if (!t) return
+    swallow(e)
+    openPicker(t.node, t.w)
+  }, true)
+  window.addEventListener('keydown', (e) => {
+    if (!['Enter', ' ', 'ArrowDown'].includes(e.key)) return
+    const t = vuePickerTarget(e)
+    if (!t) return
+    swallow(e)
+    openPicker(t.node, t.w)
+  }, true)
 }
 
 function toast(severity, summary, detail) {
@@ -146,6 +222,7 @@ app.registerExtension({
       if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
     })
     refreshStatus()
+    interceptVueSelects()
   },
 
   getNodeMenuItems: nodeMenuItems,
@@ -153,11 +230,17 @@ app.registerExtension({
   /** Refresh Node Definitions (R): files added or removed since show their new metadata. */
   refreshComboInNodes() {
     services.refresh()
+    library.invalidate()
   },
 
   beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!NODE_CLASSES.includes(nodeData?.name)) return
     const proto = nodeType.prototype
+    if (PICKER_FIELDS[nodeData?.name]) {
+      chain(proto, 'onNodeCreated', function () {
+        for (const w of this.widgets ?? []) if (isPickerField(nodeData.name, w.name)) attachPicker(this, w)
+      })
+    }
+    if (!NODE_CLASSES.includes(nodeData?.name)) return
     chain(proto, 'onNodeCreated', function () {
       this.multiloraRows = new RowsController(this, services)
       controllers.add(this.multiloraRows)
