@@ -267,7 +267,9 @@ export class Picker {
       el('span', 'mlp-name', file.none ? 'None' : baseName(file.name)), el('span', 'mlp-sub', sub))
     const index = this.items.length
     this.items.push({ row, file })
-    row.addEventListener('pointerenter', () => this.activate(index, false))
+    row.addEventListener('pointermove', () => { // a move, not a list redrawn under a still pointer
+      if (this.active !== index) this.activate(index, false)
+    })
     row.addEventListener('click', () => this.pick(file))
     return row
   }
