@@ -183,6 +183,24 @@ def test_recently_used_on_top(ui, browser):
     b.call("key", press="Escape")
 
 
+def test_a_file_added_or_replaced_on_disk_shows_after_refresh(ui, browser, web_server, files):
+    b = browser
+    kohya = web_server.models_dir / "loras" / synth.LORA_NAMES["kohya"]
+    added = files / "added" / "late_arrival.safetensors"
+    added.parent.mkdir()
+    lora_files.rewrite(kohya, added, metadata={})
+    lora_files.rewrite(kohya, web_server.models_dir / "loras" / INK, metadata={"ss_base_model_version": "sdxl_base_v1-0"})
+    b.js("async () => { await app.refreshComboInNodes() }", timeout_s=60)  # ComfyUI's Refresh (R)
+    open_from_canvas(b, STACK, "lora_name")
+    type_query(b, "late_arrival")
+    assert b.js(ITEMS) == [f"{TOP}/added/late_arrival.safetensors"]
+    type_query(b, "ink")
+    assert b.js(ITEMS) == [INK] and b.js(CARD)["Base model"] == "SDXL", "the replaced file's new header"
+    b.call("key", press="Escape")
+    added.unlink()
+    added.parent.rmdir()
+
+
 def test_the_picked_lora_is_the_one_the_queued_prompt_uses(ui, browser, web_server):
     b = browser
     open_from_canvas(b, STACK, "lora_name")
