@@ -63,14 +63,22 @@ def safetensors(tensors: dict[str, list[int]], metadata: dict[str, str]) -> byte
     return struct.pack("<Q", len(text)) + text + bytes(offset)
 
 
-def png(seed: int) -> bytes:
-    rgb = bytes(random.Random(seed).randrange(256) for _ in range(3))
+def png(seed: int, size: int = 48) -> bytes:
+    """A small valid PNG: a diagonal blend of two colours drawn from `seed`."""
+    rng = random.Random(seed)
+    a, c = [rng.randrange(256) for _ in range(3)], [rng.randrange(256) for _ in range(3)]
 
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-    raw = b"".join(b"\x00" + rgb * 32 for _ in range(32))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 32, 32, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    rows = []
+    for y in range(size):
+        row = bytearray(b"\x00")
+        for x in range(size):
+            t = (x + y) / (2 * size - 2)
+            row += bytes(int(a[i] + (c[i] - a[i]) * t) for i in range(3))
+        rows.append(bytes(row))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b""))
 
 
 def make_library(loras: Path, files: int, folders: int, seed: int = 0) -> None:
@@ -167,12 +175,30 @@ def close_picker(b) -> None:
     b.wait_for("() => !document.querySelector('[data-multilora-picker]')", timeout_s=10)
 
 
+def screenshot(b, path: Path) -> None:
+    """The picker with the tree opened at one folder, a search typed, and the card of the second row."""
+    measure_open(b)
+    for folder in ("flux", "flux/characters"):
+        b.click(f"[data-multilora-picker] .mlp-folder[data-folder='{folder}']")
+    b.call("key", type="anime")
+    time.sleep(0.5)
+    x, y = b.js("""() => { const r = document.querySelectorAll('[data-multilora-picker] .mlp-item')[1]
+      .getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2] }""")
+    b.call("mouse", action="move", x=x, y=y, steps=3)
+    time.sleep(1.0)
+    clip = b.js("""() => { const r = document.querySelector('[data-multilora-picker] .mlp-dialog').getBoundingClientRect()
+      return {x: r.x, y: r.y, width: r.width, height: r.height} }""")
+    b.call("screenshot", path=str(path.resolve()), clip=clip)
+    print(f"screenshot: {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=5000)
     ap.add_argument("--folders", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--screenshot", type=Path, help="save a picture of the picker (a search, a card) to this file")
     args = ap.parse_args()
     chromium = find_chromium()
     reason = ensure_playwright_core()
@@ -208,6 +234,8 @@ def main() -> None:
             firsts.append(measure_open(b))
             close_picker(b)
         routes = [library_route(srv.url)[0] for _ in range(args.repeat)]
+        if args.screenshot:
+            screenshot(b, args.screenshot)
     finally:
         b.close()
         srv.stop()

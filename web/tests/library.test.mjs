@@ -81,3 +81,32 @@ test('the LoRA fields of the pack that open the picker', () => {
   assert.ok(!isPickerField('LoRAStackRows', 'lora_stack') && !isPickerField('LoRAStackRows', 'strength_model_1'))
   assert.ok(!isPickerField('LoraLoader', 'lora_name'))
 })
+
+test('the library store keeps the listing, tells its listeners only of a changed one, and forgets it on Refresh', async () => {
+  const { LibraryStore } = await import('../picker.js')
+  let text = JSON.stringify({ files: [{ name: 'a.safetensors' }], reads: 1 })
+  const asked = []
+  const store = new LibraryStore(async (path) => {
+    asked.push(path)
+    return { ok: true, text }
+  })
+  const heard = []
+  store.listeners.add((files) => heard.push(files.map((f) => f.name)))
+  assert.equal(store.cached, null)
+  assert.deepEqual((await store.load()).map((f) => f.name), ['a.safetensors'])
+  await store.load()
+  assert.deepEqual(heard, [['a.safetensors']], 'the same listing again is not news')
+  text = JSON.stringify({ files: [{ name: 'a.safetensors' }, { name: 'b.safetensors' }], reads: 1 })
+  await store.load()
+  assert.deepEqual(heard.at(-1), ['a.safetensors', 'b.safetensors'])
+  assert.deepEqual(asked, ['/multilora/library', '/multilora/library', '/multilora/library'])
+  store.invalidate()
+  assert.equal(store.cached, null)
+})
+
+test('a listing the server refuses is an error, and the store stays as it was', async () => {
+  const { LibraryStore } = await import('../picker.js')
+  const store = new LibraryStore(async () => ({ ok: false, text: JSON.stringify({ error: 'boom' }) }))
+  await assert.rejects(store.load(), /boom/)
+  assert.equal(store.cached, null)
+})
