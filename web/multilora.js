@@ -7,7 +7,8 @@
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
  * (onNodeCreated, onAdded, onConfigure, onSerialize, onDrawForeground, onConnectionsChange,
  * onRemoved), adds node menu entries (getNodeMenuItems), and fetches the pack's read-only routes. The rows live
- * in controller.js and rows.js, the conversion in chain.js and convert.js, the picker in picker.js and library.js.
+ * in controller.js and rows.js, the conversion in chain.js and convert.js, the picker in fields.js, picker.js and
+ * library.js.
  */
 
 import { api } from '../../scripts/api.js'
@@ -15,8 +16,7 @@ import { app } from '../../scripts/app.js'
 import { ChainError, isConvertible } from './chain.js'
 import { RowsController } from './controller.js'
 import { convertChain } from './convert.js'
-import { PICKER_FIELDS, isPickerField } from './library.js'
-import { LibraryStore, Picker } from './picker.js'
+import { PickerFields } from './fields.js'
 
 const NODE_CLASSES = ['LoRAStackRows', 'MultiLoRARows']
 
@@ -81,77 +81,7 @@ const services = {
   afterChange: () => app.canvas?.emitAfterChange?.(),
 }
 
-const library = new LibraryStore(async (path) => {
-  const res = await api.fetchApi(path, { cache: 'no-store' })
-  return { ok: res.ok, text: await res.text() }
-})
-const picker = new Picker(library, (f) => api.apiURL(
-  `/multilora/preview?name=${encodeURIComponent(f.name)}&v=${encodeURIComponent(f.preview)}`))
-
-/** Open the picker for LoRA field `w` of `node`; the name picked becomes the field's value, as a user's edit. */
-function openPicker(node, w) {
-  const values = w.options?.values
-  picker.open({
-    current: w.value,
-    allowNone: Array.isArray(values) && values.includes('None'),
-    onPick(name) {
-      services.beforeChange()
-      w.value = name
-      w.callback?.(name, app.canvas, node)
-      node.setDirtyCanvas?.(true, true)
-      services.afterChange()
-    },
-  })
-}
-
-/** In the canvas: a click on the field's middle opens the picker; on its arrows it steps as before. */
-function attachPicker(node, w) {
-  const own = w.onClick
-  if (typeof own !== 'function' || w.multiloraPicker) return
-  w.multiloraPicker = true
-  w.onClick = function (options) {
-    const { e, node: n } = options
-    const x = e.canvasX - n.pos[0]
-    const width = this.width || n.size[0]
-    if (x < 40 || x > width - 40) return own.call(this, options)
-    openPicker(node, this)
-  }
-}
-
-/** In the Vue node renderer: a press on a LoRA field's select opens the picker in place of its list. */
-function vuePickerTarget(e) {
-  const trigger = e.target?.closest?.('[data-testid="widget-select-default-trigger"]')
-  const id = trigger?.closest('[data-node-id]')?.dataset.nodeId
-  if (id == null) return null
-  const graph = app.canvas?.graph ?? app.graph
-  const node = graph?.getNodeById(Number(id)) ?? graph?.getNodeById(id)
-  const label = trigger.getAttribute('aria-label')
-  const w = node?.widgets?.find((w) => isPickerField(node.type, w.name) && (w.label || w.name) === label)
-  return w ? { node, w } : null
-}
-
-function interceptVueSelects() {
-  const swallow = (e) => {
-    if (!vuePickerTarget(e)) return null
-    e.preventDefault()
-    e.stopImmediatePropagation()
-    return true
-  }
-  for (const type of ['pointerdown', 'mousedown', 'pointerup', 'mouseup']) window.addEventListener(type, swallow, true)
-  window.addEventListener('click', (e) => {
-    const t = vuePickerTarget(e)
-    if (!t) return
-    swallow(e)
-    openPicker(t.node, t.w)
-  }, true)
-  window.addEventListener('keydown', (e) => {
-    if (!['Enter', ' ', 'ArrowDown'].includes(e.key)) return
-    const t = vuePickerTarget(e)
-    if (!t) return
-    swallow(e)
-    openPicker(t.node, t.w)
-  }, true)
-}
+const picker = new PickerFields(app, api, services)
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast
@@ -222,7 +152,7 @@ app.registerExtension({
       if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
     })
     refreshStatus()
-    interceptVueSelects()
+    picker.interceptVueSelects()
   },
 
   getNodeMenuItems: nodeMenuItems,
@@ -230,14 +160,14 @@ app.registerExtension({
   /** Refresh Node Definitions (R): files added or removed since show their new metadata. */
   refreshComboInNodes() {
     services.refresh()
-    library.invalidate()
+    picker.library.invalidate()
   },
 
   beforeRegisterNodeDef(nodeType, nodeData) {
     const proto = nodeType.prototype
-    if (PICKER_FIELDS[nodeData?.name]) {
+    if (picker.handles(nodeData?.name)) {
       chain(proto, 'onNodeCreated', function () {
-        for (const w of this.widgets ?? []) if (isPickerField(nodeData.name, w.name)) attachPicker(this, w)
+        picker.attach(this, nodeData.name)
       })
     }
     if (!NODE_CLASSES.includes(nodeData?.name)) return
