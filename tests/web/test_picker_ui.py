@@ -262,6 +262,17 @@ def test_the_picker_in_the_vue_node_renderer(ui, browser, web_server, artifacts)
         b.click(f"{PICKER} .mlp-item[data-name='{ALICE}']")
         assert b.js(WIDGET, {"node": STACK, "name": "lora_name"}) == ALICE
         b.wait_for(f"() => document.querySelector(\"{trigger}\").textContent.includes('alice_v2')", timeout_s=10)
+        # A rows node's LoRA field (labelled "lora 1") opens it too.
+        rows = b.js("""() => { const n = LiteGraph.createNode('MultiLoRARows'); n.pos = [40, 700]; app.graph.add(n)
+          return n.id }""")
+        trigger = f"[data-node-id='{rows}'] [data-testid='widget-select-default-trigger']"
+        b.wait_for(f"() => !!document.querySelector(\"{trigger}\")", timeout_s=30)
+        b.js(f"() => document.querySelector(\"{trigger}\").scrollIntoView()")
+        b.click(trigger)
+        b.wait_for(f"() => !!document.querySelector('{PICKER} .mlp-item')", timeout_s=20)
+        type_query(b, "ink")
+        b.call("key", press="Enter")
+        assert b.js(WIDGET, {"node": rows, "name": "lora_1"}) == INK
     finally:
         web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
         b.call("reload", timeout=60_000, timeout_s=90)
