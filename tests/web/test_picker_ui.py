@@ -67,7 +67,7 @@ def ui(browser, web_server, files):
     web_server.post_json("/settings/Comfy.Minimap.Visible", False)
     browser.call("goto", url=web_server.url, timeout=120_000, timeout_s=150)
     P.wait_ready(browser)
-    browser.js("async (w) => { await app.loadGraphData(w) }", wf.small_ui(wf.load_ui(), "picker_chain"))
+    load_example(browser, "picker_chain")
     browser.js("""() => {
       app.canvas.ds.scale = 1
       app.canvas.ds.offset = [80, 100]
@@ -78,6 +78,18 @@ def ui(browser, web_server, files):
     }""")
     P.settle(browser)
     return {}
+
+
+def load_example(b, prefix):
+    """The example workflow, loaded once the page has restored the workflow an earlier page left open (which would
+    otherwise replace it)."""
+    for _ in range(3):
+        time.sleep(1.0)
+        b.js("async (w) => { await app.loadGraphData(w) }", wf.small_ui(wf.load_ui(), prefix))
+        time.sleep(1.0)
+        if b.js(f"() => app.graph.getNodeById({STACK})?.type") == "LoRAStack":
+            return
+    raise AssertionError(f"the example workflow did not stay loaded: {b.js('() => app.graph.nodes.map((n) => n.type)')}")
 
 
 def open_from_canvas(b, node, widget):
@@ -250,7 +262,7 @@ def test_the_picker_in_the_vue_node_renderer(ui, browser, web_server, artifacts)
         b.call("reload", timeout=60_000, timeout_s=90)
         P.wait_ready(b)
         assert b.js("() => LiteGraph.vueNodesMode") is True
-        b.js("async (w) => { await app.loadGraphData(w) }", wf.small_ui(wf.load_ui(), "picker_vue"))
+        load_example(b, "picker_vue")
         trigger = f"[data-node-id='{STACK}'] [data-testid='widget-select-default-trigger']"
         b.wait_for(f"() => !!document.querySelector(\"{trigger}\")", timeout_s=30)
         b.click(trigger)
