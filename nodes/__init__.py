@@ -9,6 +9,7 @@ from .prompt_stack import LoRAStackFromPrompt
 from .rows import LoRAStackRows
 from .shaping import LoRABlockWeights, LoRAStrengthSchedule
 from .stack import LoRAStack, LoRAStackFromJSON
+from .stack_save import LoRAStackSave
 
 NODE_CLASS_MAPPINGS = {
     "DistillFuse": DistillFuse,
@@ -19,6 +20,7 @@ NODE_CLASS_MAPPINGS = {
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackFromPrompt": LoRAStackFromPrompt,
     "LoRAStackRows": LoRAStackRows,
+    "LoRAStackSave": LoRAStackSave,
     "LoRAStrengthGrid": LoRAStrengthGrid,
     "LoRAStrengthSchedule": LoRAStrengthSchedule,
     "MultiLoRALoader": MultiLoRALoader,
@@ -34,6 +36,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackFromPrompt": "LoRA Stack from Prompt <lora:…> (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
+    "LoRAStackSave": "Save LoRA Stack as One LoRA (Multi-LoRA)",
     "LoRAStrengthGrid": "LoRA Strength Grid (one batch)",
     "LoRAStrengthSchedule": "LoRA Strength Schedule (Multi-LoRA)",
     "MultiLoRALoader": "Multi-LoRA Loader (runtime)",

@@ -10,6 +10,7 @@ It uses ComfyUI's extension points only:
 - model wrappers around each sampling and each model call (`sampling`): schedules, per-item strengths, a
   conditioning's strengths, and a grid's shared noise.
 - `comfy.utils.ProgressBar` for long work, and `comfy.sd` to load and bake DistillFuse's models (`bake`).
+- a stack written as one LoRA file, its layers named by inverting ComfyUI's key maps (`save`).
 - the engine's errors raised again as builtins whose message names their kind, where they leave the pack for
   ComfyUI (`errors`): ComfyUI titles an error by its class's module, which for the pack's is the server's path.
 
@@ -36,11 +37,13 @@ from .errors import host_errors
 from .files import check_relative, file_state, filenames, folder_roots, load_lora, load_loras, lora_names, resolve
 from .injection import applied
 from .models import TEXT_ENCODER_LAYER, reaches_model, reports
+from .save import DTYPES as SAVE_DTYPES, save_stack, save_target
 from .status import cells_that_fit, loaded_models, server_routes
 
 __all__ = [
-    "SAFETENSORS", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "bake", "bake_path", "bake_target",
-    "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames", "folder_roots", "host_errors",
-    "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress", "reaches_model", "refuse_quantized",
-    "reports", "resolve", "server_routes", "stored_weights", "unet_keymap", "unet_options",
+    "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "bake", "bake_path",
+    "bake_target", "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames", "folder_roots",
+    "host_errors", "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress", "reaches_model",
+    "refuse_quantized", "reports", "resolve", "save_stack", "save_target", "server_routes", "stored_weights",
+    "unet_keymap", "unet_options",
 ]

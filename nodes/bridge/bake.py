@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -109,16 +110,7 @@ def bake_target(name: str, overwrite: bool, base_path: str, metadata: dict[str, 
     """Where a baked model may be written: in the diffusion_models folder that holds the base model, never outside
     it, never over the base model itself, under a name every file system takes. An existing file is an error
     unless `overwrite` is on, or it is this very bake (its `metadata` records the same base and fusions)."""
-    check_relative(name, "diffusion_models")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise LoRAFileError("a bake name with a control character (a newline, a tab) is refused", path=repr(name),
-                            remedy="type the name on one line, without tabs")
-    if not name.endswith(".safetensors") or name.replace("\\", "/").rsplit("/", 1)[-1] == ".safetensors":
-        raise LoRAFileError("a baked model is written as <name>.safetensors", path=name,
-                            remedy="end the bake name with .safetensors, after a file name")
-    if any(len(part.encode()) > MAX_COMPONENT for part in name.replace("\\", "/").split("/")):
-        raise LoRAFileError(f"a folder or file name in the bake name is longer than {MAX_COMPONENT} bytes, which file "
-                            "systems refuse", path=name[:80] + "...", remedy="choose a shorter bake_name")
+    check_name(name, "diffusion_models", "bake name", "a baked model", "bake_name")
     folder, target = _bake_folder(base_path), bake_path(name, base_path)
     if target == os.path.realpath(base_path):
         raise LoRAFileError("the bake target is the base model itself; baking over it would lose the unfused "
@@ -135,6 +127,40 @@ def bake_target(name: str, overwrite: bool, base_path: str, metadata: dict[str, 
 
 
 MAX_COMPONENT = 255  # bytes in one file or folder name (ext4, XFS, APFS, NTFS)
+
+
+def check_name(name: object, folder: str, what: str, thing: str, field: str) -> None:
+    """Raise unless `name` is a file name to write in `folder`: relative, inside it (`check_relative`), on one line,
+    `<name>.safetensors`, and every folder or file name in it short enough for any file system. `what`, `thing` and
+    `field` name it in the error ("bake name", "a baked model", "bake_name")."""
+    check_relative(name, folder)
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise LoRAFileError(f"a {what} with a control character (a newline, a tab) is refused", path=repr(name),
+                            remedy="type the name on one line, without tabs")
+    if not name.endswith(".safetensors") or name.replace("\\", "/").rsplit("/", 1)[-1] == ".safetensors":
+        raise LoRAFileError(f"{thing} is written as <name>.safetensors", path=name,
+                            remedy=f"end the {what} with .safetensors, after a file name")
+    if any(len(part.encode()) > MAX_COMPONENT for part in name.replace("\\", "/").split("/")):
+        raise LoRAFileError(f"a folder or file name in the {what} is longer than {MAX_COMPONENT} bytes, which file "
+                            "systems refuse", path=name[:80] + "...", remedy=f"choose a shorter {field}")
+
+
+def save_target(name: str, folder: str, overwrite: bool, near: str | None = None) -> str:
+    """Where a file named `name` (checked as `check_name` checks a bake name) may be written: in the configured
+    directory of `folder` that holds the file `near` (the first one where none does), never outside it. An existing
+    file is an error unless `overwrite` is on."""
+    check_name(name, folder, "file name", "the file", "filename")
+    roots = [os.path.realpath(d) for d in folder_paths.get_folder_paths(folder)]
+    root = next((r for r in roots if near and near.startswith(r.rstrip(os.sep) + os.sep)), roots[0])
+    target = os.path.realpath(os.path.join(root, name))
+    if not target.startswith(root.rstrip(os.sep) + os.sep):
+        raise LoRAFileError(f"the file name resolves outside the {folder} folder", path=name)
+    if os.path.isdir(target):
+        raise LoRAFileError(f"a folder of this name exists in {folder}", path=name, remedy="choose another filename")
+    if os.path.exists(target) and not overwrite:
+        raise LoRAFileError(f"a file of this name already exists in {folder}", path=name,
+                            remedy="choose another filename, or turn overwrite on")
+    return target
 
 
 def _bake_folder(base_path: str) -> str:
@@ -172,22 +198,30 @@ def bake(model, base_path: str, target: str, overwrite: bool, metadata: dict[str
     stored = _stored_dtypes(base_path)
     state = model.model.diffusion_model.state_dict()
     items = [(k, t, stored.get(k) or stored.get("model.diffusion_model." + k) or t.dtype) for k, t in state.items()]
+    write_atomic(target, items, metadata, pbar, check)
+    log.info("[MultiLoRA] baked %s", target)
+
+
+def write_atomic(target: str, items, metadata: dict[str, str], pbar=None, check: Callable[[], None] | None = None,
+                 what: str = "the baked model") -> None:
+    """`items` ((name, tensor or a callable that makes it, dtype)) as a safetensors file at `target`: written into a
+    temporary file of the target's folder that replaces the target once complete, and is removed on any error or
+    interrupt (`check`, between tensors). `pbar` counts the tensors."""
     tmp = None
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)  # a bake name may name a new subfolder
+        os.makedirs(os.path.dirname(target), exist_ok=True)  # a name may name a new subfolder
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".multilora-bake-", suffix=".partial")
         with os.fdopen(fd, "wb") as f:
             _write_safetensors(f, items, metadata, target, pbar, check)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the model from the folder's other readers
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the folder's other readers
         os.replace(tmp, target)
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
-        raise LoRAFileError(f"the baked model could not be written ({e.strerror or e}{where})", path=target,
+        raise LoRAFileError(f"{what} could not be written ({e.strerror or e}{where})", path=target,
                             remedy="check the free disk space and the folder's permissions") from None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-    log.info("[MultiLoRA] baked %s", target)
 
 
 def _umask() -> int:
@@ -213,13 +247,14 @@ def _stored_dtypes(path: str) -> dict[str, torch.dtype]:
 
 def _write_safetensors(f, items, metadata: dict[str, str], target: str, pbar, check) -> None:
     """The safetensors layout (8-byte header length, JSON header, then each tensor's bytes at its offsets), written
-    one tensor at a time, so that no second copy of the model is held."""
+    one tensor at a time, so that no second copy of the model is held. An item's tensor may be a callable with a
+    `shape` that makes it (`lora_engine.combine.Deferred`): it is made when its bytes are written."""
     header, offset = {"__metadata__": metadata}, 0
     for name, t, dtype in items:
         if dtype not in _ST_DTYPES:
             raise LoRAFileError(f"the model's tensor {name!r} is of dtype {dtype}, which safetensors does not store",
                                 path=target, remedy="bake a model of float or integer weights")
-        size = t.numel() * dtype.itemsize
+        size = math.prod(t.shape) * dtype.itemsize
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -231,6 +266,8 @@ def _write_safetensors(f, items, metadata: dict[str, str], target: str, pbar, ch
     for i, (name, t, dtype) in enumerate(items):
         if check is not None:
             check()
+        if callable(t):
+            t = t()
         if dtype.is_floating_point and t.is_floating_point() and t.numel():
             if not finite(t):
                 raise NonFiniteError(f"the model's weight {name!r} holds NaN or Inf", path=target,
