@@ -11,7 +11,8 @@ Sources, in this order, every word once:
    trigger word of a kohya training is in every caption), at most `MAX_TRIGGERS`.
 
 A sidecar that is missing, too large or not JSON adds nothing: it is a convenience file, not part of the LoRA.
-Only the header is read from the LoRA itself, never its tensors.
+Of the LoRA itself only the header's metadata is used, never a tensor: MultiLoRARows takes it from the adapters its
+stack loaded (the file is not read again), the picker's listing from a header read (`library`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 
-from ..lora_engine import LoRAError, read_header
+from ..lora_engine import Adapter, LoRAError
 from . import bridge
 from .lora_info import MAX_TRIGGERS, tag_counts
 
@@ -124,16 +125,6 @@ def metadata_words(metadata: Mapping[str, str]) -> tuple[list[str], list[str]]:
     return _words(metadata.get("modelspec.trigger_phrase", "")), most_frequent_tags(metadata.get("ss_tag_frequency"))
 
 
-def lora_trigger_words(name: str) -> list[str]:
-    """The trigger words of one LoRA in the loras folders (see the module's docstring for the order)."""
-    path = bridge.resolve("loras", name)
-    try:
-        metadata = read_header(path).metadata
-    except LoRAError:  # not a safetensors file (.pt, .ckpt): its sidecars alone
-        metadata = {}
-    return trigger_words(metadata, sidecar_words(path))
-
-
 def trigger_words(metadata: Mapping[str, str], sidecar: list[str]) -> list[str]:
     """The trigger words of a LoRA from its header's metadata and its sidecars' words (the module docstring's order)."""
     phrase, tags = metadata_words(metadata)
@@ -147,9 +138,13 @@ def unique(words: Iterable[str]) -> list[str]:
     return list(seen)
 
 
-def trigger_text(names: Iterable[str]) -> str:
-    """The trigger words of every LoRA named, comma-joined, each word once."""
-    return ", ".join(unique(w for name in unique(names) for w in lora_trigger_words(name)))
+def trigger_text(adapters: Iterable[Adapter]) -> str:
+    """The trigger words of the LoRAs loaded as `adapters`, comma-joined, each word once: from the header metadata
+    the adapter holds (the file is not read again) and the sidecars beside it."""
+    words = []
+    for adapter in unique(adapters):
+        words += trigger_words(adapter.metadata, sidecar_words(adapter.path))
+    return ", ".join(unique(words))
 
 
 def sidecar_state(names: Iterable[object]) -> str:
