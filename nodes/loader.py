@@ -42,6 +42,12 @@ class MultiLoRALoader:
 
     @bridge.host_errors
     def apply(self, model, lora_stack, clip=None, max_loras=0):
+        return self.applied(model, lora_stack, clip, max_loras)[:2]
+
+    @staticmethod
+    def applied(model, lora_stack, clip=None, max_loras=0):
+        """(model, clip, the stack's entries as loaded): `apply`'s work, and the adapters it took from the cache, so
+        that a node built on it (MultiLoRARows) reads no file again."""
         # A linked value skips ComfyUI's range check: 10**6 slots would ask for terabytes.
         if isinstance(max_loras, bool) or not isinstance(max_loras, numbers.Integral) or not 0 <= max_loras <= 64:
             raise ValueError(f"max_loras of MultiLoRALoader must be a whole number from 0 to 64 (0: as many slots "
@@ -51,6 +57,8 @@ class MultiLoRALoader:
         except StackError as e:
             raise ValueError(str(e)) from None
         if not items:
-            return (model, clip)
+            return (model, clip, [])
         adapters = bridge.load_loras([e.name for e in items])
-        return bridge.apply_stack(model, clip, [e.loaded(a) for e, a in zip(items, adapters)], max_loras)
+        loaded = [e.loaded(a) for e, a in zip(items, adapters)]
+        new_model, new_clip = bridge.apply_stack(model, clip, loaded, max_loras)
+        return (new_model, new_clip, loaded)

@@ -6,7 +6,8 @@ returns the base model family, the rank and the trigger words:
 - family: `modelspec.architecture`, else `ss_base_model_version` (kohya's sd-scripts), else a guess
   from the key names and the cross-attention width, marked `"source": "keys"`;
 - rank: the first dimension of every down/A factor (`lora_down`, `lora_A`, `.lora.down`, `hada_w1_b`...);
-- triggers: `modelspec.trigger_phrase`, then the most frequent tags of `ss_tag_frequency`.
+- triggers: `modelspec.trigger_phrase`, then the most frequent tags of `ss_tag_frequency`;
+- format: LoRA, LoCon, LoHa, LoKr, DoRA or OFT, from the key names and shapes (`adapter_format`).
 
 Pure standard library, so that it can be tested without ComfyUI or torch.
 """
@@ -75,6 +76,23 @@ def ranks(tensors: Mapping[str, Sequence[int]]) -> list[int]:
     return sorted({int(shape[0]) for k, shape in tensors.items() if k.endswith(DOWN_SUFFIXES) and len(shape) >= 2})
 
 
+# (substring of a key, format), first match wins: DoRA is a LoRA, LoHa or LoKr with a magnitude vector.
+FORMAT_KEYS = ((".dora_scale", "DoRA"), (".lora_magnitude_vector", "DoRA"), (".oft_blocks", "OFT"), (".oft_r", "OFT"),
+               (".oft_R", "OFT"), (".hada_w1", "LoHa"), (".lokr_w1", "LoKr"), (".lokr_w2", "LoKr"))
+
+
+def adapter_format(tensors: Mapping[str, Sequence[int]]) -> str | None:
+    """LoRA, LoCon (a LoRA with convolution factors), LoHa, LoKr, DoRA or OFT, from the header's keys and shapes;
+    None for other files (full diffs, GLoRA, IA3)."""
+    for needle, name in FORMAT_KEYS:
+        if any(needle in k for k in tensors):
+            return name
+    downs = [shape for k, shape in tensors.items() if k.endswith(DOWN_SUFFIXES)]
+    if not downs:
+        return None
+    return "LoCon" if any(len(shape) > 2 for shape in downs) else "LoRA"
+
+
 def tag_counts(raw: str | None) -> Counter:
     """How many captions carry each tag of kohya's `ss_tag_frequency` ({dataset: {tag: count}}), over its datasets;
     empty for a value that is missing or not of that shape."""
@@ -123,4 +141,5 @@ def describe(tensors: Mapping[str, Sequence[int]], metadata: Mapping[str, str]) 
         "triggers": triggers(metadata),
         "title": _text(metadata["modelspec.title"]) if metadata.get("modelspec.title") else None,
         "tensors": len(tensors),
+        "format": adapter_format(tensors),
     }

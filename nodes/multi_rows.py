@@ -73,6 +73,7 @@ class MultiLoRARows:
             stack = as_stack(entries(lora_stack) + own, left_out=bool(switched_rows(rows, MAX_ROWS)) and not own)
         except StackError as e:
             raise ValueError(str(e)) from None
-        new_model, new_clip = MultiLoRALoader().apply(model, stack, clip, max_loras)
-        words = trigger_text(name for name, sm, sc in stack if sm != 0 or (clip is not None and sc != 0))
+        new_model, new_clip, loaded = MultiLoRALoader.applied(model, stack, clip, max_loras)
+        words = trigger_text(e.adapter for e in loaded if e.strength_model != 0 or (clip is not None
+                                                                                   and e.strength_clip != 0))
         return (new_model, new_clip, stack, words)

@@ -1,4 +1,5 @@
-"""Read-only JSON routes under /multilora/. They read state only and accept no file paths."""
+"""Read-only routes under /multilora/: status, a LoRA's metadata, the LoRA library and its preview images. Names of
+files are accepted only as names inside the loras folders (`bridge.resolve`), and errors never show server paths."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ..lora_engine.layer import hooked_layers
 
 from . import bridge
 from .distill import fusion_log
+from .library import LIBRARY, MAX_PREVIEW, PreviewError
+from .library import etag as library_etag
 from .lora_info import describe as describe_lora
 
 
@@ -80,3 +83,41 @@ async def get_lora_info(request):
     except LoRAError as e:
         return web.json_response({"name": name, "error": str(e)}, status=400)
     return web.json_response(info)
+
+
+@routes.get("/multilora/library")
+async def get_library(request):
+    """Every LoRA of the loras folders with its preview's ETag and its summary (see nodes/library.py)."""
+    listing = await asyncio.get_running_loop().run_in_executor(None, LIBRARY.listing)
+    return web.json_response(json_safe(listing), headers={"Cache-Control": "no-store"})
+
+
+def _read_preview(name: str, if_none_match: str | None):
+    real, content_type, st = LIBRARY.preview(name)
+    tag = library_etag(st)
+    if if_none_match and tag in [t.strip() for t in if_none_match.split(",")]:
+        return None, content_type, tag
+    if st.st_size > MAX_PREVIEW:
+        raise PreviewError(f"preview image of {name!r} is larger than {MAX_PREVIEW >> 20} MiB", path=name)
+    with open(real, "rb") as f:
+        return f.read(MAX_PREVIEW + 1), content_type, tag
+
+
+@routes.get("/multilora/preview")
+async def get_preview(request):
+    """The preview image of the LoRA `name`: 304 for a matching If-None-Match, 404 when it has none, 400 when the name
+    is refused. With `v` equal to the current ETag (as the library lists it) the answer may be cached for a week."""
+    name = request.query.get("name", "")
+    try:
+        body, content_type, tag = await asyncio.get_running_loop().run_in_executor(
+            None, _read_preview, name, request.headers.get("If-None-Match"))
+    except PreviewError as e:
+        return web.json_response({"name": name, "error": str(e)}, status=404 if e.missing else 400)
+    except OSError as e:
+        return web.json_response({"name": name, "error": f"preview image of {name!r} cannot be read: {e.strerror}"},
+                                 status=404)
+    cache = "private, max-age=604800, immutable" if request.query.get("v") == tag else "no-cache"
+    headers = {"ETag": tag, "Cache-Control": cache}
+    if body is None:
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=body, content_type=content_type, headers=headers)

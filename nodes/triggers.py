@@ -11,16 +11,17 @@ Sources, in this order, every word once:
    trigger word of a kohya training is in every caption), at most `MAX_TRIGGERS`.
 
 A sidecar that is missing, too large or not JSON adds nothing: it is a convenience file, not part of the LoRA.
-Only the header is read from the LoRA itself, never its tensors.
+Of the LoRA itself only the header's metadata is used, never a tensor: MultiLoRARows takes it from the adapters its
+stack loaded (the file is not read again), the picker's listing from a header read (`library`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from ..lora_engine import LoRAError, read_header
+from ..lora_engine import Adapter, LoRAError
 from . import bridge
 from .lora_info import MAX_TRIGGERS, tag_counts
 
@@ -55,24 +56,61 @@ def sidecar_paths(path: str) -> list[str]:
     return [stem + suffix for suffix, _ in SIDECARS]
 
 
-def _read_json(path: str) -> object:
+def _read_json(path: str) -> tuple[object, str | None]:
+    """(the parsed JSON of a sidecar file, None) or (None, why it could not be read); (None, None) when there is none."""
     try:
-        if not os.path.isfile(path) or os.path.getsize(path) > MAX_SIDECAR:
-            return None
+        if not os.path.isfile(path):
+            return None, None
+        if os.path.getsize(path) > MAX_SIDECAR:
+            return None, f"larger than {MAX_SIDECAR >> 20} MiB"
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON, nested past the stack
+            return json.load(f), None
+    except OSError as e:  # unreadable
+        return None, e.strerror or type(e).__name__
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past the stack
+        return None, f"not valid JSON ({type(e).__name__})"
+
+
+def _weight(doc: Mapping) -> float | None:
+    """The preferred weight a sidecar gives: A1111's `"preferred weight"` (0: none), LoRA Manager's `usage_tips`
+    (a JSON string with `strength`)."""
+    value = doc.get("preferred weight")
+    if value in (None, 0, "0", ""):
+        tips = doc.get("usage_tips")
+        try:
+            value = json.loads(tips).get("strength") if isinstance(tips, str) else None
+        except (ValueError, AttributeError, RecursionError):
+            value = None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
         return None
+    return value if value == value and abs(value) < 1e6 and value != 0 else None
+
+
+def read_sidecars(path: str, allowed: Callable[[int], bool] | None = None) -> dict:
+    """What the sidecar files beside the LoRA file at `path` say: {"words": trigger words, "weight": preferred
+    weight or None, "unreadable": ["name.json: not valid JSON (JSONDecodeError)", ...]} (file names without folders).
+    `allowed(i)` False: the i-th sidecar of SIDECARS is not opened (it links out of the loras folders)."""
+    words: list[str] = []
+    weight = None
+    unreadable = []
+    for i, (file, (_, reader)) in enumerate(zip(sidecar_paths(path), SIDECARS)):
+        if allowed is not None and not allowed(i):
+            unreadable.append(f"{os.path.basename(file)}: links outside the loras folders, not read")
+            continue
+        doc, error = _read_json(file)
+        if error:
+            unreadable.append(f"{os.path.basename(file)}: {error}")
+        if isinstance(doc, Mapping):
+            words += reader(doc)
+            weight = weight if weight is not None else _weight(doc)
+    return {"words": words, "weight": weight, "unreadable": unreadable}
 
 
 def sidecar_words(path: str) -> list[str]:
     """The trigger words that the sidecar files beside the LoRA file at `path` name."""
-    out = []
-    for file, (_, reader) in zip(sidecar_paths(path), SIDECARS):
-        doc = _read_json(file)
-        if isinstance(doc, Mapping):
-            out += reader(doc)
-    return out
+    return read_sidecars(path)["words"]
 
 
 def most_frequent_tags(raw: str | None) -> list[str]:
@@ -87,16 +125,10 @@ def metadata_words(metadata: Mapping[str, str]) -> tuple[list[str], list[str]]:
     return _words(metadata.get("modelspec.trigger_phrase", "")), most_frequent_tags(metadata.get("ss_tag_frequency"))
 
 
-def lora_trigger_words(name: str) -> list[str]:
-    """The trigger words of one LoRA in the loras folders (see the module's docstring for the order)."""
-    path = bridge.resolve("loras", name)
-    try:
-        metadata = read_header(path).metadata
-    except LoRAError:  # not a safetensors file (.pt, .ckpt): its sidecars alone
-        metadata = {}
+def trigger_words(metadata: Mapping[str, str], sidecar: list[str]) -> list[str]:
+    """The trigger words of a LoRA from its header's metadata and its sidecars' words (the module docstring's order)."""
     phrase, tags = metadata_words(metadata)
-    words = sidecar_words(path) + phrase
-    return unique(words or tags)
+    return unique(sidecar + phrase or tags)
 
 
 def unique(words: Iterable[str]) -> list[str]:
@@ -106,9 +138,13 @@ def unique(words: Iterable[str]) -> list[str]:
     return list(seen)
 
 
-def trigger_text(names: Iterable[str]) -> str:
-    """The trigger words of every LoRA named, comma-joined, each word once."""
-    return ", ".join(unique(w for name in unique(names) for w in lora_trigger_words(name)))
+def trigger_text(adapters: Iterable[Adapter]) -> str:
+    """The trigger words of the LoRAs loaded as `adapters`, comma-joined, each word once: from the header metadata
+    the adapter holds (the file is not read again) and the sidecars beside it."""
+    words = []
+    for adapter in unique(adapters):
+        words += trigger_words(adapter.metadata, sidecar_words(adapter.path))
+    return ", ".join(unique(words))
 
 
 def sidecar_state(names: Iterable[object]) -> str:

@@ -1,11 +1,14 @@
 /**
  * The pack's frontend extension: rows, status and metadata on LoRAStackRows and MultiLoRARows nodes, their
- * "Copy LoRAs as A1111 prompt tags" menu entry, and "Convert to Multi-LoRA Loader" on LoRA loader chains.
+ * "Copy LoRAs as A1111 prompt tags" menu entry, "Convert to Multi-LoRA Loader" on LoRA loader chains, and the LoRA
+ * picker that every LoRA field of the pack's nodes opens (library.js PICKER_FIELDS): a click on the field's middle in
+ * the canvas (its arrows still step through the files), or on the field in the Vue node renderer ("Nodes 2.0").
  *
  * Glue only: it registers through app.registerExtension, chains the node type's own callbacks
  * (onNodeCreated, onAdded, onConfigure, onSerialize, onDrawForeground, onConnectionsChange,
  * onRemoved), adds node menu entries (getNodeMenuItems), and fetches the pack's read-only routes. The rows live
- * in controller.js and rows.js, the conversion in chain.js and convert.js.
+ * in controller.js and rows.js, the conversion in chain.js and convert.js, the picker in fields.js, picker.js and
+ * library.js.
  */
 
 import { api } from '../../scripts/api.js'
@@ -13,6 +16,7 @@ import { app } from '../../scripts/app.js'
 import { ChainError, isConvertible } from './chain.js'
 import { RowsController } from './controller.js'
 import { convertChain } from './convert.js'
+import { PickerFields } from './fields.js'
 
 const NODE_CLASSES = ['LoRAStackRows', 'MultiLoRARows']
 
@@ -76,6 +80,8 @@ const services = {
   beforeChange: () => app.canvas?.emitBeforeChange?.(),
   afterChange: () => app.canvas?.emitAfterChange?.(),
 }
+
+const picker = new PickerFields(app, api, services)
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast
@@ -153,6 +159,7 @@ app.registerExtension({
       toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', e.detail?.message ?? '')
     })
     refreshStatus()
+    picker.interceptVueSelects()
   },
 
   getNodeMenuItems: nodeMenuItems,
@@ -160,11 +167,17 @@ app.registerExtension({
   /** Refresh Node Definitions (R): files added or removed since show their new metadata. */
   refreshComboInNodes() {
     services.refresh()
+    picker.library.invalidate()
   },
 
   beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!NODE_CLASSES.includes(nodeData?.name)) return
     const proto = nodeType.prototype
+    if (picker.handles(nodeData?.name)) {
+      chain(proto, 'onNodeCreated', function () {
+        picker.attach(this, nodeData.name)
+      })
+    }
+    if (!NODE_CLASSES.includes(nodeData?.name)) return
     chain(proto, 'onNodeCreated', function () {
       this.multiloraRows = new RowsController(this, services)
       controllers.add(this.multiloraRows)

@@ -35,7 +35,7 @@ from .bake import (
     unet_options,
 )
 from .errors import host_errors
-from .files import file_state, filenames, load_lora, load_loras, lora_names, resolve
+from .files import check_relative, file_state, filenames, folder_roots, load_lora, load_loras, lora_names, resolve
 from .injection import applied
 from .models import TEXT_ENCODER_LAYER, reaches_model, reports
 from .patches import as_patches
@@ -44,8 +44,8 @@ from .status import cells_that_fit, loaded_models, server_routes, watch_prompts
 
 __all__ = [
     "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "as_patches", "bake",
-    "bake_path", "bake_target", "cells_that_fit", "check_interrupt", "file_state", "filenames", "host_errors",
-    "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress", "reaches_model",
-    "refuse_quantized", "reports", "resolve", "save_stack", "save_target", "server_routes", "stored_weights",
-    "unet_keymap", "unet_options", "watch_prompts",
+    "bake_path", "bake_target", "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames",
+    "folder_roots", "host_errors", "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress",
+    "reaches_model", "refuse_quantized", "reports", "resolve", "save_stack", "save_target", "server_routes",
+    "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
 ]

@@ -23,6 +23,11 @@ def lora_names() -> list[str]:
     return folder_paths.get_filename_list("loras")
 
 
+def folder_roots(folder: str) -> list[str]:
+    """The configured directories of `folder`, in ComfyUI's order of lookup."""
+    return list(folder_paths.get_folder_paths(folder))
+
+
 def filenames(folder: str) -> list[str]:
     return folder_paths.get_filename_list(folder)
 

@@ -4,6 +4,7 @@ the node's own layout (widget.y, getConnectionPos) through the canvas transform.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -96,9 +97,17 @@ def click_widget(b, node_id: int, name: str, fx: float = 0.5) -> None:
 
 
 def pick_combo(b, node_id: int, name: str, value: str) -> None:
-    """Open a combo widget's menu with a click and choose `value` in it."""
+    """Open a combo widget with a click and choose `value`: in LiteGraph's menu, or, for a LoRA field of the pack,
+    in the LoRA picker that it opens (the name typed into its search, then its row clicked)."""
     click_widget(b, node_id, name)
-    b.click(f".litecontextmenu .litemenu-entry:text-is('{value}')")
+    kind = b.wait_for("""() => document.querySelector('[data-multilora-picker] .mlp-item') ? 'picker'
+      : document.querySelector('.litecontextmenu .litemenu-entry') ? 'menu' : null""", timeout_s=10)
+    if kind == "picker":
+        b.call("fill", selector="[data-multilora-picker] .mlp-search", text="" if value == "None" else value,
+               timeout=5000)
+        b.click(f"[data-multilora-picker] .mlp-item[data-name={json.dumps(value)}]")
+    else:
+        b.click(f".litecontextmenu .litemenu-entry:text-is('{value}')")
     settle(b)
 
 
