@@ -1,5 +1,7 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
+from . import bridge, keep_warning
+from .as_patches import LoRAStackAsPatches
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
@@ -17,6 +19,7 @@ NODE_CLASS_MAPPINGS = {
     "LoRAConditioningStrengths": LoRAConditioningStrengths,
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
+    "LoRAStackAsPatches": LoRAStackAsPatches,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackFromPrompt": LoRAStackFromPrompt,
     "LoRAStackRows": LoRAStackRows,
@@ -33,6 +36,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAConditioningStrengths": "LoRA Strengths for Conditioning (Multi-LoRA)",
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
+    "LoRAStackAsPatches": "LoRA Stack as Weight Patches (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackFromPrompt": "LoRA Stack from Prompt <lora:…> (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
@@ -45,5 +49,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 
 try:
     from . import routes  # noqa: F401  (registers the routes when a server exists)
+    bridge.watch_prompts(keep_warning.warnings, keep_warning.EVENT)  # a save or merge after a runtime stack
 except (ImportError, AttributeError):
     routes = None

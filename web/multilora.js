@@ -85,7 +85,9 @@ const picker = new PickerFields(app, api, services)
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast
-  if (t) t.add({ severity, summary, detail, life: severity === 'error' ? 8000 : 3000 })
+  // A warning stays until it is closed: it says that a file being written lacks the stack's LoRAs.
+  const life = severity === 'error' ? 8000 : severity === 'warn' ? undefined : 3000
+  if (t) t.add({ severity, summary, detail, life })
   else if (severity === 'error') window.alert(`${summary}: ${detail}`)
 }
 
@@ -150,6 +152,11 @@ app.registerExtension({
     // ComfyUI tells only the tab that queued a prompt that it ran; every tab hears that the queue emptied.
     api.addEventListener('status', (e) => {
       if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
+    })
+    // multilora.warning: a queued prompt saves or merges a model whose stack runs at sampling time only
+    // (nodes/keep_warning.py); the server logs it too.
+    api.addEventListener('multilora.warning', (e) => {
+      toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', e.detail?.message ?? '')
     })
     refreshStatus()
     picker.interceptVueSelects()

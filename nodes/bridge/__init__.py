@@ -9,6 +9,7 @@ It uses ComfyUI's extension points only:
 - an ON_DETACH callback on that clone: when ComfyUI unloads the model, the bank's slots are released.
 - model wrappers around each sampling and each model call (`sampling`): schedules, per-item strengths, a
   conditioning's strengths, and a grid's shared noise.
+- `ModelPatcher.add_patches` with ComfyUI's weight adapters, for a stack that save and merge nodes see (`patches`).
 - `comfy.utils.ProgressBar` for long work, and `comfy.sd` to load and bake DistillFuse's models (`bake`).
 - a stack written as one LoRA file, its layers named by inverting ComfyUI's key maps (`save`).
 - the engine's errors raised again as builtins whose message names their kind, where they leave the pack for
@@ -37,13 +38,14 @@ from .errors import host_errors
 from .files import check_relative, file_state, filenames, folder_roots, load_lora, load_loras, lora_names, resolve
 from .injection import applied
 from .models import TEXT_ENCODER_LAYER, reaches_model, reports
+from .patches import as_patches
 from .save import DTYPES as SAVE_DTYPES, save_stack, save_target
-from .status import cells_that_fit, loaded_models, server_routes
+from .status import cells_that_fit, loaded_models, server_routes, watch_prompts
 
 __all__ = [
-    "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "bake", "bake_path",
-    "bake_target", "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames", "folder_roots",
-    "host_errors", "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress", "reaches_model",
-    "refuse_quantized", "reports", "resolve", "save_stack", "save_target", "server_routes", "stored_weights",
-    "unet_keymap", "unet_options",
+    "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "as_patches", "bake",
+    "bake_path", "bake_target", "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames",
+    "folder_roots", "host_errors", "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names", "progress",
+    "reaches_model", "refuse_quantized", "reports", "resolve", "save_stack", "save_target", "server_routes",
+    "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
 ]

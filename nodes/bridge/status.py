@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import comfy.model_management
 
 from .injection import current_stack
+
+log = logging.getLogger("multilora")
 
 
 def loaded_models() -> list[dict]:
@@ -45,3 +49,21 @@ def cells_that_fit(model, samples) -> int:
     free = comfy.model_management.get_free_memory(model.load_device)
     per_item = model.memory_required([2, *samples.shape[1:]])
     return max(1, int(free * 0.8 // max(per_item, 1)))
+
+
+def watch_prompts(check, event: str) -> None:
+    """Run `check(prompt)` on each prompt queued (ComfyUI's on-prompt hook); each warning it returns (a dict with a
+    "message") goes to the server log and, as `event`, to the browser that queued the prompt. A check that fails
+    is ComfyUI's to log: the prompt is queued as it was."""
+    from server import PromptServer
+    server = PromptServer.instance
+
+    def on_prompt(json_data):
+        prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+        if isinstance(prompt, dict):
+            for warning in check(prompt):
+                log.warning("[MultiLoRA] %s", warning["message"])
+                server.send_sync(event, warning, json_data.get("client_id"))
+        return json_data
+
+    server.add_on_prompt_handler(on_prompt)
