@@ -96,6 +96,7 @@ class SlotBank:
                            weight_fn, move=self.to)
         self.strengths = Strengths(max_loras, self.owner)
         self.slots: list[Adapter | None] = [None] * max_loras
+        self._read: list[tuple] = [()] * max_loras  # per slot: the model weights its adapter was written from
         self.layers: dict[str, LayerSlots] = {}
         self._bindings: OrderedDict[int, Binding] = OrderedDict()
         self.lock = threading.RLock()
@@ -173,6 +174,7 @@ class SlotBank:
                 raise
             self.max_loras = max_loras
             self.slots += [None] * extra
+            self._read += [()] * extra
             self.strengths.grow(max_loras, self.layers)
             self._tell_layers()
 
@@ -217,16 +219,20 @@ class SlotBank:
                                      f"max_loras={self.max_loras} slots",
                                      remedy="raise max_loras, or disable entries in the stack")
             bindings = [self.binding(a) for a in wanted]  # raises before any state changes
-            staged = {id(b.adapter): writes.stage(self.owner, b) for b in bindings if not self._resident(b.adapter)}
+            # A resident adapter whose slots were made from weights the model no longer holds is written again.
+            stale = {id(b.adapter) for b in bindings
+                     if self._resident(b.adapter) and self._read[self._slot_of(b.adapter)] != writes.weights_read(b)}
+            kept_ids = {id(b.adapter) for b in bindings if self._resident(b.adapter)} - stale
+            staged = {id(b.adapter): writes.stage(self.owner, b) for b in bindings if id(b.adapter) not in kept_ids}
 
-            previous, released, ids = list(self.slots), [], {id(a) for a in wanted}
+            previous, released = list(self.slots), []
             for i, a in enumerate(self.slots):
-                if a is not None and id(a) not in ids:
+                if a is not None and id(a) not in kept_ids:
                     self._clear_slot(i)
                     released.append(a.name)
             kept, copied, nbytes = [], [], 0
             for b in bindings:
-                if self._resident(b.adapter):
+                if id(b.adapter) in kept_ids:
                     kept.append(b.adapter.name)
                     continue
                 slot = self.slots.index(None)
@@ -237,6 +243,7 @@ class SlotBank:
                     self._abandon(previous)
                     raise
                 self.slots[slot] = b.adapter
+                self._read[slot] = writes.weights_read(b)
                 copied.append(b.adapter.name)
             if copied or released:
                 self._slots_changed()
@@ -307,6 +314,7 @@ class SlotBank:
                 layer.unhook()
             self.layers.clear()
             self.slots = [None] * self.max_loras
+            self._read = [()] * self.max_loras
             self._bindings.clear()
             self.strengths.clear()
             self.owner.release_when_idle = None
@@ -383,6 +391,7 @@ class SlotBank:
         for layer in self.layers.values():
             layer.clear(slot)
         self.slots[slot] = None
+        self._read[slot] = ()
 
     def _tell_layers(self) -> None:
         """After a change of the strengths: where the table found the live slots again, give every layer its own

@@ -94,6 +94,24 @@ def _check_dense(owner: Owner, plan: ModulePlan) -> None:
                              "use another file")
 
 
+def weights_read(b: Binding) -> tuple:
+    """What the slots written for `b` depend on of the model's own weights: (identity, version) of each weight a
+    DoRA, OFT, BOFT or GLoRA layer reads. A host that swaps or patches those weights in place (a merge or a stock
+    LoRA loaded on the same model, whose weights it restores later) changes it, and the slots are written again;
+    () for an adapter that reads no weight."""
+    return tuple((name, id(w), _version(w)) for name, plan in b.plans.items() if plan.reads_weight
+                 for w in (getattr(plan.module, "weight", None),))
+
+
+def _version(w) -> int:
+    """The version counter of `w` (in-place writes raise it); -1 for an inference tensor, which keeps none (a host
+    that replaces such a weight gives a new tensor, which its identity tells)."""
+    try:
+        return int(w._version)
+    except (AttributeError, RuntimeError):
+        return -1
+
+
 def _weight(owner: Owner, plan: ModulePlan) -> torch.Tensor | None:
     """The layer's weight where the plan reads it (DoRA, OFT, BOFT, GLoRA), else None."""
     return owner.weight_fn(plan.module) if plan.reads_weight else None

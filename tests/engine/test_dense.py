@@ -83,3 +83,89 @@ def test_dense_deltas_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
     bank = SlotBank(model, max_loras=1)
     bank.activate([(adapter, 1.0)])
     assert len(made) == len(lf.LAYERS) == sum(bool(layer.dense) for layer in bank.layers.values())
+
+
+def _modules(model) -> dict[str, torch.nn.Module]:
+    mods = dict(model.named_modules())
+    return {name: mods[name] for name in lf.LAYERS}
+
+
+def _set_weights(model, weights: dict[str, torch.Tensor], replace: bool) -> None:
+    """Put `weights` on `model` as a host does: a new parameter per layer (`replace`), or copied into the one held."""
+    for name, m in _modules(model).items():
+        if replace:
+            m.weight = weights[name] if isinstance(weights[name], torch.nn.Parameter) else \
+                torch.nn.Parameter(weights[name].clone(), requires_grad=False)
+        else:
+            with torch.no_grad():
+                m.weight.copy_(weights[name])
+
+
+@pytest.mark.parametrize("kind", ["dora", "oft"])
+@pytest.mark.parametrize("how", ["replaced", "in_place"])
+def test_a_weight_reading_adapter_follows_the_weights_the_host_swaps(tmp_path, kind, how):
+    """An adapter whose ΔW reads the layer's weight (DoRA, OFT), activated while a host holds other weights on the
+    model (a merge loaded with the stack, patching the weights in place) and activated again after the host put the
+    original weights back, computes what a fresh model with those weights computes: its slots are written again
+    from the weights it now reads, not kept from the ones it read before."""
+    tensors = lf.dora_tensors(lf.tiny(), 4) if kind == "dora" else lf.oft_tensors(lf.tiny(), 4)
+    adapter = load_adapter(lf.write(tmp_path, f"{kind}.safetensors", tensors), pin=False)
+    x = lf.tiny_input()
+    model = lf.tiny()
+    original = {name: m.weight for name, m in _modules(model).items()}
+    g = torch.Generator().manual_seed(9)
+    other = {name: w.detach() + 0.2 * torch.randn(w.shape, generator=g) for name, w in original.items()}
+    bank = SlotBank(model, max_loras=1)
+
+    def fresh(weights) -> torch.Tensor:
+        m = lf.tiny()
+        _set_weights(m, weights, replace=True)
+        b = SlotBank(m, max_loras=1)
+        b.activate([(adapter, 0.8)])
+        with torch.no_grad():
+            out = m(x)
+        b.release()
+        return out
+
+    want_original, want_other = fresh({n: w.detach() for n, w in original.items()}), fresh(other)
+    assert not torch.allclose(want_original, want_other)  # the weights read change the output
+    bank.activate([(adapter, 0.8)])
+    backup = {n: w.detach().clone() for n, w in original.items()}
+    _set_weights(model, other, replace=how == "replaced")  # the host patches the weights
+    bank.activate([(adapter, 0.8)])
+    with torch.no_grad():
+        assert torch.equal(model(x), want_other)
+    _set_weights(model, original if how == "replaced" else backup, replace=how == "replaced")  # and restores them
+    bank.activate([(adapter, 0.8)])
+    with torch.no_grad():
+        assert torch.equal(model(x), want_original)
+    bank.release()
+
+
+def test_a_weight_reading_adapter_on_inference_tensors(tmp_path):
+    """Weights made under `torch.inference_mode` (as a host may load them) keep no version counter: a DoRA adapter
+    activates on them, and again after they are replaced, with the output of a fresh model holding the new ones."""
+    adapter = load_adapter(lf.write(tmp_path, "dora.safetensors", lf.dora_tensors(lf.tiny(), 4)), pin=False)
+    x = lf.tiny_input()
+
+    def inference_weights(model, seed: int) -> dict[str, torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(seed)
+        with torch.inference_mode():
+            return {n: torch.nn.Parameter(m.weight.detach() + 0.1 * torch.randn(m.weight.shape, generator=g),
+                                          requires_grad=False) for n, m in _modules(model).items()}
+
+    def output(model, bank, weights) -> torch.Tensor:
+        _set_weights(model, weights, replace=True)
+        bank.activate([(adapter, 0.7)])
+        with torch.inference_mode():
+            return model(x)
+
+    def fresh(weights) -> torch.Tensor:
+        m = lf.tiny()
+        return output(m, SlotBank(m, max_loras=1), weights)
+
+    model = lf.tiny()
+    bank = SlotBank(model, max_loras=1)
+    first, second = inference_weights(model, 1), inference_weights(model, 2)
+    assert torch.equal(output(model, bank, first), fresh(first))
+    assert torch.equal(output(model, bank, second), fresh(second))

@@ -279,10 +279,8 @@ def test_dora_and_oft_take_the_runtime_delta(server, reads_weight, record_proper
     """DoRA and OFT as the engine's ΔW: the patched model samples the runtime image, where the stock chain does not
     (the floor: the stock chain fused against bypass on the kohya file, model only)."""
     stack = [(KOHYA, 0.8, 0.0), (READS_WEIGHT, 0.6, 0.0)]
-    # The merges sampled before leave the model patched in place; MultiLoRALoader's DoRA and OFT deltas, computed as
-    # its clone is injected, read that weight (ComfyUI 0.28 on CPU), where LoRAStackAsPatches reads the backup: the
-    # runtime image is taken from the unloaded model.
-    server.post_json("/free", {"unload_models": True, "free_memory": True})
+    # The merges sampled before patched the model's weights in place and ComfyUI restored them: the runtime's DoRA
+    # and OFT slots follow the weights the model holds (lora_engine.writes.weights_read), with no unload between.
     runtime = one(server, sampled(through("MultiLoRALoader", stack, with_clip=False), with_clip=False))
     patched = one(server, sampled(through("LoRAStackAsPatches", stack, with_clip=False), with_clip=False))
     fused = one(server, stock(stack[:1], with_clip=False))
