@@ -126,7 +126,8 @@ def floors(server, stack, with_clip: bool) -> tuple[float, float]:
 
 
 def folder_state(folder) -> dict:
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+    """Each entry's name, size and mtime; lstat, as other tests leave broken and looping links here."""
+    return {p.name: (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(folder.iterdir())}
 
 
 def test_the_exact_file_through_a_stock_loader_is_the_stack(server, loras, record_property):
