@@ -213,6 +213,21 @@ class ModulePlan:
         base = base_weight.reshape(g.weight_shape)[start:start + size]
         return base if piece.rows is None else base[torch.argsort(torch.tensor(piece.rows))]
 
+    def piece_factors(self, piece: Piece, device: torch.device | None,
+                      base_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float, bool] | None:
+        """One piece's low-rank factors (A [r, ...], B [rows, r, ...] in the layer's row order, scale, stored): the
+        file's own tensors and scale where it stores A and B, else the algorithm's low-rank form (LoHa, LoKr, GLoRA,
+        which reads `base_weight`) built on `device` with scale 1; None where the piece has no weight."""
+        w = piece.patch.weight
+        if w is None:
+            return None
+        stored = w.stored_factors()
+        if stored is not None:
+            down, up, scale = stored
+            return down, piece.order(up), scale, True
+        down, up = w.factors(device, self.piece_base(piece, base_weight) if w.reads_weight else None)
+        return down, piece.order(up), 1.0, False
+
     def write_factors(self, a: torch.Tensor, b: torch.Tensor, copies: Copies,
                       base_weight: torch.Tensor | None = None) -> int:
         """A into the first rows of `a` [R, in, *k] and s·B into the first columns of `b` [out, R], one slot's
@@ -222,17 +237,13 @@ class ModulePlan:
         written at once, each rounded once; returns their bytes."""
         at, written = 0, 0
         for p in self.pieces:
-            w = p.patch.weight
-            if w is None:
+            found = self.piece_factors(p, a.device, base_weight)
+            if found is None:
                 continue
-            stored = w.stored_factors()
-            if stored is not None:
-                down, up, scale = stored
-                up, r = p.order(up), down.shape[0]
-            else:
-                down, up = w.factors(a.device, self.piece_base(p, base_weight) if w.reads_weight else None)
+            down, up, scale, stored = found
+            if not stored:
                 down, up = _balanced(down, up, _max(a.dtype)) or (down, up)  # checked at staging
-                up, r = p.order(up), down.shape[0]
+            r = down.shape[0]
             if down.shape[1:] != a.shape[1:]:
                 down = down.reshape(r, *a.shape[1:])
             whole = r == a.shape[0]
@@ -241,7 +252,7 @@ class ModulePlan:
                 dst_b = b[p.out_slice[0]:sum(p.out_slice), at:at + r]
             else:
                 dst_b = b if whole else b.narrow(1, at, r)
-            if stored is None:
+            if not stored:
                 dst_a.copy_(down)
                 dst_b.copy_(up)
                 written += dst_a.numel() * dst_a.element_size() + dst_b.numel() * dst_b.element_size()

@@ -99,17 +99,13 @@ class SavedLayer:
         downs, ups = [], []
         for t in self.live:
             for p in t.plan.pieces:
-                w = p.patch.weight
-                if w is None:
+                found = t.plan.piece_factors(p, device, base)
+                if found is None:
                     continue
-                stored = w.stored_factors()
-                if stored is not None:
-                    down, up, scale = stored
-                    down, up = down.to(device, torch.float32), up.to(device, torch.float32) * scale
-                else:
-                    down, up = w.factors(device, t.plan.piece_base(p, base) if w.reads_weight else None)
+                down, up, scale, _ = found
+                down, up = down.to(device, torch.float32), up.to(device, torch.float32) * scale
                 r = down.shape[0]
-                up = p.order(up.reshape(up.shape[0], r)) * t.strength
+                up = up.reshape(up.shape[0], r) * t.strength
                 start, size = p.out_slice or (0, g.out_features)
                 if size != g.out_features:
                     full = up.new_zeros(g.out_features, r)
