@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import comfy  # noqa: E402
 from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
@@ -67,12 +68,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weight-dtype", default="default", choices=["default", "fp8_e4m3fn", "fp8_e5m2"])
     args = ap.parse_args()
-    root = cs.find_comfy_root()
-    if root is None:
-        print("no ComfyUI found; set COMFYUI_PATH", file=sys.stderr)
+    found = comfy()
+    if found is None:
         return 2
-    python = cs.find_comfy_python(root)
-    assets = synth.ensure_assets_any_python(comfy_root=root, python=python)
+    root, python, assets = found
     work = Path(tempfile.mkdtemp(prefix="distill-mem-"))
     unet = work / "unet.safetensors"
     subprocess.run([python, "-c", (

@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.machine import comfy  # noqa: E402
 from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
 VALUES = [0.0, 0.25, 0.5, 1.0]
 
 
-def models_dir(root: Path, python: str) -> Path:
-    assets = synth.ensure_assets_any_python(comfy_root=root, python=python)
+def models_dir(assets: dict) -> Path:
     d = Path(tempfile.mkdtemp(prefix="grid-bench-models-"))
     for sub in cs.MODEL_SUBDIRS:
         (d / sub).mkdir()
@@ -38,12 +38,11 @@ def models_dir(root: Path, python: str) -> Path:
 
 def synthetic_server() -> cs.ComfyServer | None:
     """A started ComfyUI server on the synthetic checkpoint and LoRAs, or None (with a message) without ComfyUI."""
-    root = cs.find_comfy_root()
-    if root is None:
-        print("no ComfyUI found; set COMFYUI_PATH", file=sys.stderr)
+    found = comfy()
+    if found is None:
         return None
-    python = cs.find_comfy_python(root)
-    return cs.ComfyServer(comfy_root=root, python=python, models_dir=models_dir(root, python)).start()
+    root, python, assets = found
+    return cs.ComfyServer(comfy_root=root, python=python, models_dir=models_dir(assets)).start()
 
 
 def base_graph(size: int, steps: int, model, clip, latent, prefix: str, seed: int = 42, cfg: float = 5.0) -> dict:

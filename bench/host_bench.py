@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.grid_bench import base_graph  # noqa: E402
-from bench.machine import machine_line  # noqa: E402
+from bench.machine import comfy, machine_line  # noqa: E402
 from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
@@ -239,14 +239,12 @@ def main() -> int:
         if v not in VARIANTS:
             ap.error(f"--variants: unknown {v!r}")
 
-    root = cs.find_comfy_root()
-    if root is None:
-        print("no ComfyUI checkout found; set COMFYUI_PATH", file=sys.stderr)
-        return 2
-    python = cs.find_comfy_python(root)
     t_start = time.monotonic()
     print(f"machine: {machine_line()}")
-    assets = synth.ensure_assets_any_python(comfy_root=root, python=python)
+    found = comfy()
+    if found is None:
+        return 2
+    root, python, assets = found
     manifest = synth.shape_manifest(comfy_root=root, python=python)
     extra = synth.cached_lora(manifest=manifest, **EXTRA_LORA[1])
     mdir, names = models_dir(assets, extra)

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import machine_line  # noqa: E402
+from bench.machine import comfy, machine_line  # noqa: E402
 from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
@@ -158,12 +158,10 @@ def main() -> int:
     ap.add_argument("--gpu", action="store_true", help="run the servers on the GPU (default --cpu)")
     ap.add_argument("--keep", action="store_true", help="keep the models folder")
     args = ap.parse_args()
-    root = cs.find_comfy_root()
-    if root is None:
-        print("no ComfyUI found; set COMFYUI_PATH", file=sys.stderr)
+    found = comfy()
+    if found is None:
         return 2
-    python = cs.find_comfy_python(root)
-    assets = synth.ensure_assets_any_python(comfy_root=root, python=python)
+    root, python, assets = found
     mdir = Path(tempfile.mkdtemp(prefix="multilora-save-bench-"))
     for sub in cs.MODEL_SUBDIRS:
         (mdir / sub).mkdir()

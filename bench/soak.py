@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import comfy  # noqa: E402
 from tools import comfy_server as cs  # noqa: E402
 from tools import synth  # noqa: E402
 
@@ -332,13 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ARTIFACTS / "soak.csv")
     ns = ap.parse_args(argv)
 
-    root = cs.find_comfy_root()
-    if root is None:
-        print("[soak] no ComfyUI checkout found; looked at "
-              + ", ".join(map(str, cs.comfy_search_locations())) + " (set COMFYUI_PATH)", file=sys.stderr)
+    found = comfy()
+    if found is None:
         return 2
-    python = cs.find_comfy_python(root)
-    assets = synth.ensure_assets_any_python(comfy_root=root, python=python)
+    root, python, assets = found
     loras = make_loras(ns.loras, root, python)
     total = sum(lo.size for lo in loras)
     budget = int(ns.budget_mb * MIB) if ns.budget_mb is not None else total // 4
