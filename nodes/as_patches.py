@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import bridge
+from .loader import MultiLoRALoader
 from .stack import CATEGORY, StackError, entries
 
 
@@ -23,16 +24,15 @@ class LoRAStackAsPatches:
 
     @classmethod
     def INPUT_TYPES(cls):
+        loader = MultiLoRALoader.INPUT_TYPES()
         return {
             "required": {
-                "model": ("MODEL", {"tooltip": "The diffusion model (a checkpoint loader's, or a merge's)."}),
+                "model": loader["required"]["model"],
                 "lora_stack": ("LORA_STACK", {"tooltip": "From LoRAStack, LoRAStackRows, MultiLoRARows or any pack "
                                               "that builds (lora_name, strength_model, strength_clip) lists; "
                                               "block weights apply, schedules are refused."}),
             },
-            "optional": {
-                "clip": ("CLIP", {"tooltip": "The text encoder; leave empty for a model-only stack."}),
-            },
+            "optional": {"clip": loader["optional"]["clip"]},
         }
 
     @bridge.host_errors

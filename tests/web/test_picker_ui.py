@@ -296,3 +296,34 @@ def test_no_console_errors_from_the_picker(ui, browser):
             and ("/multilora/library" in m["url"] or "/multilora/preview" in m["url"]
                  or "/extensions/ComfyUI-MultiLoRA/" in m["url"] or "picker" in m["text"].lower())]
     assert not ours, ours
+
+
+def test_a_listed_preview_that_answers_404_shows_the_placeholder(ui, browser, web_server, files):
+    """A preview that the listing names but that is gone from disk when the picker asks for it: the route answers
+    404, and the row shows the initials. Last in the file: the failed image load is a console error, which the test
+    above counts."""
+    b = browser
+    kohya = web_server.models_dir / "loras" / synth.LORA_NAMES["kohya"]
+    lora = files / "gone" / "vanished_look.safetensors"
+    name = f"{TOP}/gone/vanished_look.safetensors"
+    preview = lora.with_name("vanished_look.preview.png")
+    lora.parent.mkdir()
+    try:
+        lora_files.rewrite(kohya, lora, metadata={})
+        preview.write_bytes(png((30, 200, 30), 64))
+        b.js("async () => { await app.refreshComboInNodes() }", timeout_s=60)  # ComfyUI's Refresh (R)
+        open_from_canvas(b, STACK, "lora_name")
+        type_query(b, "alice")  # the list is loaded, and the new row is not drawn
+        listed = b.js("async (name) => (await (await fetch('/multilora/library')).json()).files"
+                      ".find((f) => f.name === name)", name)
+        assert listed.get("preview"), listed  # the listing names a preview (its ETag)
+        preview.unlink()
+        before = len(b.messages())
+        type_query(b, "vanished_look")
+        assert b.js(ITEMS) == [name]
+        b.wait_for(f"() => ({THUMB})({json.dumps(name)}).placeholder === 'VL'", timeout_s=20)
+        failed = [m for m in b.messages()[before:] if m["type"] in ("error", "pageerror")]
+        assert failed and all("/multilora/preview" in m["url"] and "404" in m["text"] for m in failed), failed
+        b.call("key", press="Escape")
+    finally:
+        shutil.rmtree(lora.parent, ignore_errors=True)
