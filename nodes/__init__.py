@@ -1,6 +1,6 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
-from . import bridge, keep_warning
+from . import bridge, keep_warning, library
 from .as_patches import LoRAStackAsPatches
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
@@ -50,5 +50,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 try:
     from . import routes  # noqa: F401  (registers the routes when a server exists)
     bridge.watch_prompts(keep_warning.warnings, keep_warning.EVENT)  # a save or merge after a runtime stack
+    library.warm_up()  # the picker's first open finds the summaries read
 except (ImportError, AttributeError):
     routes = None

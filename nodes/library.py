@@ -7,6 +7,9 @@ says which files, preview images and sidecars exist, and its stats give each fil
 mtime_ns, inode). A summary is read (the safetensors header and the sidecar JSON, never a tensor) only when the
 identity of the file or of one of its sidecars is not in the cache: listing an unchanged library again opens no file.
 
+`warm_up()` reads the summaries once in a thread when the server starts, so that the first open of the picker
+finds them cached.
+
 Confinement: a file, preview or sidecar is opened only when its real path, links followed, is inside one of the
 configured loras folders, as `bridge.resolve` requires of every name the pack opens. A LoRA whose link escapes is
 listed with an error and never opened. Errors name files as the loras folder names them, never by server paths.
@@ -14,8 +17,10 @@ listed with an error and never opened. Errors name files as the loras folder nam
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections import defaultdict
 
 from ..lora_engine import LoRAError, LoRAFileError, read_header
@@ -29,6 +34,7 @@ CONTENT_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg
 SIDECAR_SUFFIXES = tuple(suffix for suffix, _ in triggers.SIDECARS)
 MAX_PREVIEW = 32 << 20  # bytes
 MAX_TRIGGERS = 16
+log = logging.getLogger("multilora")
 
 
 def etag(st: os.stat_result) -> str:
@@ -201,3 +207,21 @@ def read_summary(name: str, real: str, confined: dict[int, bool]) -> dict:
 
 
 LIBRARY = Library()
+
+
+def warm_up() -> threading.Thread:
+    """Reads every LoRA's summary into the cache in a daemon thread, and says in the log how many it read and how long
+    it took; an error is logged, never raised (the listing reads the files again when the picker asks)."""
+    def run():
+        started = time.perf_counter()
+        try:
+            reads = LIBRARY.listing()["reads"]
+        except Exception as e:  # noqa: BLE001: a warm-up must not take the server down
+            log.warning("[MultiLoRA] the LoRA library was not read at start (%s: %s); the picker reads it when opened",
+                        type(e).__name__, e)
+            return
+        if reads:
+            log.info("[MultiLoRA] LoRA library: %d summaries read in %.2f s", reads, time.perf_counter() - started)
+    thread = threading.Thread(target=run, name="multilora-library-warm-up", daemon=True)
+    thread.start()
+    return thread

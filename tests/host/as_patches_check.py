@@ -3,16 +3,16 @@ save/merge check's reading of prompts.
 
 Run with ComfyUI's python (tests/host/test_as_patches.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/as_patches_check.py --reads-weight FILE [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/as_patches_check.py --reads-weight FILE --kinds FILE [--out result.json]
 
 The synthetic SD1.5 checkpoint of tools/synth.py is loaded as CheckpointLoaderSimple loads it. Each key of the result
 is one property (tests/host/properties.py):
 
-    layers_match_runtime    a stack of the kohya file and a DoRA + OFT file (`--reads-weight`, written by the test):
-                        each layer of the DoRA / OFT file, its weight as ComfyUI patches it (`comfy.lora.calculate_weight`
-                        over the clone's patches), computes what the layer computes with the runtime stack active, within
-                        3× the floor: the same comparison on the kohya file's other layers, which take ComfyUI's own
-                        LoRAAdapter (the same math, rounded elsewhere)
+    layers_match_runtime    a stack of the kohya file, a DoRA + OFT file (`--reads-weight`) and a LoKr + BOFT + GLoRA
+                        file (`--kinds`), both written by the test: each layer of the last two, its weight as ComfyUI
+                        patches it (`comfy.lora.calculate_weight` over the clone's patches), computes what the layer
+                        computes with the runtime stack active, within 3× the floor: the same comparison on the kohya
+                        file's other layers, which take ComfyUI's own LoRAAdapter (the same math, rounded elsewhere)
     input_left_as_it_was    the input model holds no patch after the node, and its weights are unchanged
     warning_cases           the check names a save or merge that a runtime stack's MODEL or CLIP reaches, directly or
                         through nodes that pass one on, and nothing else
@@ -32,15 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.host.properties import prop  # noqa: E402
 
 
-def layers(comfy, bridge, engine, assets, reads_weight: str) -> dict:
+def layers(comfy, bridge, engine, assets, reads_weight: str, kinds: str) -> dict:
     import torch
     model = comfy.sd.load_checkpoint_guess_config(str(assets["checkpoint"]), output_vae=False,
                                                   output_clipvision=False)[0]
     cache = engine.default_cache()
     load = lambda path, name: cache.load(str(path), name=name, convert=comfy.lora_convert.convert_lora,  # noqa: E731
                                          convert_id="comfy")
-    kohya, other = load(assets["loras"]["kohya"], "kohya"), load(reads_weight, "reads_weight")
-    stack = [bridge.StackEntry(kohya, 0.8, 0.0), bridge.StackEntry(other, 0.6, 0.0)]
+    files = {"low_rank": load(assets["loras"]["kohya"], "kohya"), "reads_weight": load(reads_weight, "reads_weight"),
+             "kinds": load(kinds, "kinds")}
+    stack = [bridge.StackEntry(a, s, 0.0) for a, s in zip(files.values(), (0.8, 0.6, 0.7))]
     before = {k: v.clone() for k, v in model.model.state_dict().items()}
     patched, _ = bridge.as_patches(model, None, stack)
     models = import_module(bridge.__name__ + ".models")
@@ -48,9 +49,9 @@ def layers(comfy, bridge, engine, assets, reads_weight: str) -> dict:
     runtime, _ = bridge.apply_stack(model, None, stack)
     injection.injection_of(runtime).activate(runtime)
     gen = torch.Generator().manual_seed(0)
-    special = set(models.binding_of(other, model.model, "unet").plans)
-    errors = {"reads_weight": 0.0, "low_rank": 0.0}
-    for name, plan in models.binding_of(kohya, model.model, "unet").plans.items():
+    plans = {kind: models.binding_of(a, model.model, "unet").plans for kind, a in files.items()}
+    errors, counts = dict.fromkeys(files, 0.0), dict.fromkeys(files, 0)
+    for name, plan in plans["low_rank"].items():
         module = plan.module
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -61,14 +62,15 @@ def layers(comfy, bridge, engine, assets, reads_weight: str) -> dict:
             got = torch.nn.functional.linear(x, new, module.bias)
             want = module(x)
             rel = float((got - want).abs().max() / (want - torch.nn.functional.linear(x, w, module.bias)).abs().max())
-        kind = "reads_weight" if name in special else "low_rank"
-        errors[kind] = max(errors[kind], rel)
+        kind = next((k for k in ("reads_weight", "kinds") if name in plans[k]), "low_rank")
+        errors[kind], counts[kind] = max(errors[kind], rel), counts[kind] + 1
     injection.injection_of(runtime).deactivate(runtime)
     floor = errors["low_rank"]
     unchanged = not model.patches and all(torch.equal(before[k], v) for k, v in model.model.state_dict().items())
     return {
-        "layers_match_runtime": prop(len(special) == 3 and errors["reads_weight"] <= 3 * max(floor, 1e-7),
-                                     layers=len(special), relative_error=errors["reads_weight"], floor=floor),
+        "layers_match_runtime": prop(counts["reads_weight"] == 3 and counts["kinds"] == 3
+                                     and max(errors["reads_weight"], errors["kinds"]) <= 3 * max(floor, 1e-7),
+                                     layers=counts, relative_error=errors, floor=floor),
         "input_left_as_it_was": prop(unchanged, patches=len(model.patches)),
     }
 
@@ -112,6 +114,8 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--reads-weight", default=os.environ.get("AS_PATCHES_READS_WEIGHT"),
                         help="the DoRA + OFT file (default: $AS_PATCHES_READS_WEIGHT, which the test sets)")
+    parser.add_argument("--kinds", default=os.environ.get("AS_PATCHES_KINDS"),
+                        help="the LoKr + BOFT + GLoRA file (default: $AS_PATCHES_KINDS, which the test sets)")
     args = parser.parse_args()
     from tools import synth
     from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy, import_engine, import_node_module
@@ -120,7 +124,7 @@ def main() -> int:
     import torch
     torch.set_num_threads(1)
     assets = synth.ensure_assets_any_python(comfy_root=root, python=sys.executable)
-    result = {**layers(comfy, import_bridge(), import_engine(), assets, args.reads_weight),
+    result = {**layers(comfy, import_bridge(), import_engine(), assets, args.reads_weight, args.kinds),
               **warning_cases(import_node_module("keep_warning"))}
     print(json.dumps(result), flush=True)
     if args.out:

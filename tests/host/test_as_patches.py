@@ -275,10 +275,36 @@ def reads_weight(models_dir):
     return target
 
 
-def test_dora_and_oft_take_the_runtime_delta(server, reads_weight, record_property):
-    """DoRA and OFT as the engine's ΔW: the patched model samples the runtime image, where the stock chain does not
-    (the floor: the stock chain fused against bypass on the kohya file, model only)."""
-    stack = [(KOHYA, 0.8, 0.0), (READS_WEIGHT, 0.6, 0.0)]
+KINDS = "synth_lokr_boft_glora_as_patches.safetensors"
+BLOCK = "lora_unet_down_blocks_0_attentions_1_transformer_blocks_0_"
+
+
+@pytest.fixture(scope="module")
+def kinds(models_dir):
+    """A file of the LyCORIS kinds that take ComfyUI's own adapter (LoKr) or the engine's ΔW (BOFT, GLoRA), in the
+    layouts LyCORIS saves: a LoKr of a full w1 [4, 4] and a rank-4 w2 on attn1's to_out, a 3-stage BOFT of 4×4
+    blocks (alpha 0: no constraint) on attn2's to_q, and a rank-4 GLoRA on attn2's to_out."""
+    target = models_dir / "loras" / KINDS
+    if not target.exists():
+        gen = torch.Generator().manual_seed(606)
+        randn = lambda *shape, std: torch.randn(*shape, generator=gen) * std  # noqa: E731
+        n = 320  # the outputs and inputs of these three layers of the synthetic SD1.5 UNet
+        lokr, boft, glora = BLOCK + "attn1_to_out_0", BLOCK + "attn2_to_q", BLOCK + "attn2_to_out_0"
+        sd = {lokr + ".lokr_w1": randn(4, 4, std=1.0), lokr + ".lokr_w2_a": randn(n // 4, 4, std=0.1),
+              lokr + ".lokr_w2_b": randn(4, n // 4, std=0.1), lokr + ".alpha": torch.tensor(2.0),
+              boft + ".oft_blocks": randn(3, n // 4, 4, 4, std=0.05), boft + ".alpha": torch.tensor(0.0),
+              glora + ".a1.weight": randn(n, 4, std=n ** -0.5), glora + ".a2.weight": randn(4, n, std=0.3),
+              glora + ".b1.weight": randn(n, 4, std=0.05), glora + ".b2.weight": randn(4, n, std=n ** -0.5),
+              glora + ".alpha": torch.tensor(2.0)}
+        save_file({k: v.to(torch.bfloat16) if v.dim() else v for k, v in sd.items()}, str(target))
+    return target
+
+
+def test_dora_oft_lokr_boft_and_glora_take_the_runtime_delta(server, reads_weight, kinds, record_property):
+    """DoRA, OFT, BOFT and GLoRA as the engine's ΔW, and LoKr as ComfyUI's adapter: the patched model samples the
+    runtime image, where the stock chain does not (the floor: the stock chain fused against bypass on the kohya
+    file, model only)."""
+    stack = [(KOHYA, 0.8, 0.0), (READS_WEIGHT, 0.6, 0.0), (KINDS, 0.7, 0.0)]
     # The merges sampled before patched the model's weights in place and ComfyUI restored them: the runtime's DoRA
     # and OFT slots follow the weights the model holds (lora_engine.writes.weights_read), with no unload between.
     runtime = one(server, sampled(through("MultiLoRALoader", stack, with_clip=False), with_clip=False))
@@ -286,17 +312,18 @@ def test_dora_and_oft_take_the_runtime_delta(server, reads_weight, record_proper
     fused = one(server, stock(stack[:1], with_clip=False))
     floors = {"stock fused vs bypass": mad(fused, one(server, stock(stack[:1], False, bypass=True))),
               "one level": 1.0 / fused.size}
-    effect = mad(runtime, fused)  # the DoRA and OFT file's own effect on top of the kohya file
-    tol = report(record_property, "DoRA and OFT, patches vs runtime", floors, mad(patched, runtime), effect)
+    effect = mad(runtime, fused)  # the two files' own effect on top of the kohya file
+    tol = report(record_property, "DoRA, OFT, LoKr, BOFT and GLoRA, patches vs runtime", floors, mad(patched, runtime), effect)
     record_property("stock chain vs runtime", mad(one(server, stock(stack, with_clip=False)), runtime))
     assert effect > 10 * tol
     assert mad(patched, runtime) <= tol
 
 
 @pytest.fixture(scope="module")
-def in_process(run_script, reads_weight, tmp_path_factory, monkeypatch_module):
+def in_process(run_script, reads_weight, kinds, tmp_path_factory, monkeypatch_module):
     """The result of as_patches_check.py, run once for the module."""
     monkeypatch_module.setenv("AS_PATCHES_READS_WEIGHT", str(reads_weight))
+    monkeypatch_module.setenv("AS_PATCHES_KINDS", str(kinds))
     out = tmp_path_factory.mktemp("as_patches_check") / "result.json"
     return json.loads(run_script(Path(__file__).with_name("as_patches_check.py"), out))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import urllib.error
@@ -17,6 +18,7 @@ import pytest
 from tools import synth
 
 from . import lora_files
+from .conftest import META_LORA, PARTIAL_LORA
 
 pytestmark = pytest.mark.web
 
@@ -105,6 +107,16 @@ def library(web_server, tmp_path_factory):
 
 def name(rel: str) -> str:
     return f"{TOP}/{rel}"
+
+
+def test_the_server_reads_the_library_as_it_starts(web_server, web_models_dir):
+    """As it starts, the server reads the summary of every LoRA in its loras folder in a thread (library.warm_up), so
+    the picker's first open finds them cached, and its log says how many."""
+    found = re.search(r"\[MultiLoRA\] LoRA library: (\d+) summaries read in [\d.]+ s", web_server.log_text())
+    assert found, "no line of the library's reading at start in the server's log"
+    at_start = {path.name for path in (web_models_dir / "loras").glob("*.safetensors")
+                if path.name in set(synth.LORA_NAMES.values()) | {META_LORA, PARTIAL_LORA}}
+    assert int(found.group(1)) == len(at_start), (found.group(0), sorted(at_start))
 
 
 def test_listing_has_every_folder_previews_and_summaries(web_server, library):
