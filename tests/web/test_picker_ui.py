@@ -67,8 +67,14 @@ def ui(browser, web_server, files):
     web_server.post_json("/settings/Comfy.Minimap.Visible", False)
     browser.call("goto", url=web_server.url, timeout=120_000, timeout_s=150)
     P.wait_ready(browser)
-    load_example(browser, "picker_chain")
-    browser.js("""() => {
+    show_example(browser)
+    return {"messages": len(browser.messages())}  # the console's messages before this module's
+
+
+def show_example(b):
+    """The example workflow on the canvas, its first LoRAStack at the top left, at scale 1."""
+    load_example(b, "picker_chain")
+    b.js("""() => {
       app.canvas.ds.scale = 1
       app.canvas.ds.offset = [80, 100]
       const n = app.graph.getNodeById(2)
@@ -76,8 +82,7 @@ def ui(browser, web_server, files):
       n.size = [420, n.size[1]]
       app.canvas.setDirty(true, true)
     }""")
-    P.settle(browser)
-    return {"messages": len(browser.messages())}  # the console's messages before this module's
+    P.settle(b)
 
 
 def load_example(b, prefix):
@@ -311,6 +316,7 @@ def test_a_listed_preview_that_answers_404_shows_the_placeholder(ui, browser, we
     try:
         lora_files.rewrite(kohya, lora, metadata={})
         preview.write_bytes(png((30, 200, 30), 64))
+        show_example(b)  # the test of the Vue renderer left its own workflow
         b.js("async () => { await app.refreshComboInNodes() }", timeout_s=60)  # ComfyUI's Refresh (R)
         open_from_canvas(b, STACK, "lora_name")
         type_query(b, "alice")  # the list is loaded, and the new row is not drawn
