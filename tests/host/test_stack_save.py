@@ -12,6 +12,8 @@
 - A bad name, an existing file without overwrite, a schedule, clip strengths without a CLIP, and an interrupt while
   the file is written: each a clear error, the loras folder exactly as it was (names, sizes, modification times),
   and the server still answering.
+- The names of text-encoder layers, in-process (save_names_check.py): kohya's `lora_te1_`/`lora_te2_` on SDXL's two
+  encoders and `lora_te_` on SD1.5's, each read back by ComfyUI's own key map.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
 from . import workflows as wf
+from .properties import assert_holds
 from .stock_compare import CHARACTER, DETAIL, STYLE, finished, mad, one, stock
 
 LOHA = "stacksave_loha.safetensors"
@@ -231,3 +235,15 @@ def test_a_bad_name_an_existing_file_and_an_interrupt_leave_the_folder_as_it_was
     save(server, MODEL_ONLY[:1], "stacksave_existing.safetensors", overwrite=True, with_clip=False)
     assert (loras / "stacksave_existing.safetensors").stat().st_mtime_ns != before[
         "stacksave_existing.safetensors"][1]
+
+
+@pytest.fixture(scope="module")
+def names_checked(run_script, tmp_path_factory):
+    """The result of save_names_check.py, run once for the module."""
+    out = tmp_path_factory.mktemp("save_names_check") / "result.json"
+    return json.loads(run_script(Path(__file__).with_name("save_names_check.py"), out))
+
+
+@pytest.mark.parametrize("name", ["sdxl_te1_te2", "sd15_te"])
+def test_text_encoder_layers_take_kohyas_names(names_checked, name):
+    assert_holds(names_checked, name)
