@@ -313,7 +313,8 @@ def test_dora_oft_lokr_boft_and_glora_take_the_runtime_delta(server, reads_weigh
     floors = {"stock fused vs bypass": mad(fused, one(server, stock(stack[:1], False, bypass=True))),
               "one level": 1.0 / fused.size}
     effect = mad(runtime, fused)  # the two files' own effect on top of the kohya file
-    tol = report(record_property, "DoRA, OFT, LoKr, BOFT and GLoRA, patches vs runtime", floors, mad(patched, runtime), effect)
+    tol = report(record_property, "DoRA, OFT, LoKr, BOFT and GLoRA, patches vs runtime", floors,
+                 mad(patched, runtime), effect)
     record_property("stock chain vs runtime", mad(one(server, stock(stack, with_clip=False)), runtime))
     assert effect > 10 * tol
     assert mad(patched, runtime) <= tol
