@@ -57,8 +57,9 @@ def stack_entries(prompt: dict, loader_id: str) -> list[tuple[str, float, float,
     return out[::-1]
 
 
-def to_stock(prompt: dict, loader_id: str) -> dict:
-    """The same graph with the stack and MultiLoRALoader replaced by a chain of stock LoraLoader nodes."""
+def to_stock(prompt: dict, loader_id: str, loader_class: str = "LoraLoader") -> dict:
+    """The same graph with the stack and MultiLoRALoader replaced by a chain of stock `loader_class` nodes
+    (LoraLoader, or LoraLoaderBypass: the LoRA applied at runtime, as the pack applies it)."""
     p = copy.deepcopy(prompt)
     entries = stack_entries(p, loader_id)
     loader = p.pop(loader_id)
@@ -69,7 +70,7 @@ def to_stock(prompt: dict, loader_id: str) -> dict:
         if not enabled:
             continue
         nid = f"stock{j}"
-        p[nid] = {"class_type": "LoraLoader", "inputs": {"model": model, "clip": clip, "lora_name": name,
+        p[nid] = {"class_type": loader_class, "inputs": {"model": model, "clip": clip, "lora_name": name,
                                                           "strength_model": sm, "strength_clip": sc}}
         model, clip = [nid, 0], [nid, 1]
     for node in p.values():
