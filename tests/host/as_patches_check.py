@@ -21,7 +21,6 @@ is one property (tests/host/properties.py):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from importlib import import_module
@@ -30,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.host.properties import prop  # noqa: E402
+from tests.host.sampling_check import emit  # noqa: E402
 
 
 def layers(comfy, bridge, engine, assets, reads_weight: str, kinds: str) -> dict:
@@ -126,10 +126,7 @@ def main() -> int:
     assets = synth.ensure_assets_any_python(comfy_root=root, python=sys.executable)
     result = {**layers(comfy, import_bridge(), import_engine(), assets, args.reads_weight, args.kinds),
               **warning_cases(import_node_module("keep_warning"))}
-    print(json.dumps(result), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result) + "\n")
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

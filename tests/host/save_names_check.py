@@ -17,7 +17,6 @@ Each key of the result is one property (tests/host/properties.py). Kohya's sd-sc
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from importlib import import_module
@@ -26,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.host.properties import prop  # noqa: E402
+from tests.host.sampling_check import emit  # noqa: E402
 
 LAYER = re.compile(r"^(clip_[lg])\.transformer\.(text_model\.encoder\.layers\.\d+\.(self_attn\.[qkv]_proj|"
                    r"self_attn\.out_proj|mlp\.fc[12]))$")
@@ -68,10 +68,7 @@ def main() -> int:
         "sdxl_te1_te2": names(comfy, save, sdxl, {"clip_l": "lora_te1_", "clip_g": "lora_te2_"}, (12 + 32) * per_layer),
         "sd15_te": names(comfy, save, sd15, {"clip_l": "lora_te_"}, 12 * per_layer),
     }
-    print(json.dumps(result), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result) + "\n")
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
