@@ -62,8 +62,9 @@ def graph(nodes: dict, model_ref, clip_ref) -> dict:
     return p
 
 
-def stock(stack, with_clip: bool, bypass: bool = False) -> dict:
-    """A chain of stock loaders, fused or bypass, model and clip or model only."""
+def stock_chain(stack, with_clip: bool, bypass: bool = False) -> tuple[dict, list, list]:
+    """A chain of stock loaders, fused or bypass, model and clip or model only: (its nodes, the model's and the
+    text encoder's references at its end)."""
     kind = ("LoraLoaderBypass" if bypass else "LoraLoader") + ("" if with_clip else "ModelOnly")
     nodes, model, clip = {}, ["1", 0], ["1", 1]
     for j, (name, sm, sc) in enumerate(stack):
@@ -72,7 +73,12 @@ def stock(stack, with_clip: bool, bypass: bool = False) -> dict:
             inputs.update(clip=clip, strength_clip=sc)
         nodes[f"c{j}"] = {"class_type": kind, "inputs": inputs}
         model, clip = [f"c{j}", 0], [f"c{j}", 1] if with_clip else clip
-    return graph(nodes, model, clip)
+    return nodes, model, clip
+
+
+def stock(stack, with_clip: bool = True, bypass: bool = False) -> dict:
+    """The test image of a chain of stock loaders (`stock_chain`)."""
+    return graph(*stock_chain(stack, with_clip, bypass))
 
 
 def multi_rows(stack, with_clip: bool) -> dict:

@@ -34,7 +34,7 @@ from tools.comfy_server import ComfyExecutionError
 
 from . import workflows as wf
 from .properties import assert_holds
-from .stock_compare import graph, mad, one
+from .stock_compare import graph, mad, one, stock, stock_chain
 
 pytestmark = pytest.mark.host
 
@@ -99,23 +99,6 @@ def through(node_class: str, stack, with_clip: bool = True, **extra) -> dict:
 
 def sampled(nodes: dict, with_clip: bool = True) -> dict:
     return graph(nodes, ["n", 0], ["n", 1] if with_clip else ["1", 1])
-
-
-def stock_chain(stack, with_clip: bool, bypass: bool = False) -> tuple[dict, list, list]:
-    kind = ("LoraLoaderBypass" if bypass else "LoraLoader") + ("" if with_clip else "ModelOnly")
-    nodes, model, clip = {}, ["1", 0], ["1", 1]
-    for j, (name, sm, sc) in enumerate(stack):
-        inputs = {"model": model, "lora_name": name, "strength_model": sm}
-        if with_clip:
-            inputs.update(clip=clip, strength_clip=sc)
-        nodes[f"c{j}"] = {"class_type": kind, "inputs": inputs}
-        model, clip = [f"c{j}", 0], ([f"c{j}", 1] if with_clip else clip)
-    return nodes, model, clip
-
-
-def stock(stack, with_clip: bool = True, bypass: bool = False) -> dict:
-    nodes, model, clip = stock_chain(stack, with_clip, bypass)
-    return graph(nodes, model, clip)
 
 
 def merged(nodes: dict, model_ref) -> dict:
