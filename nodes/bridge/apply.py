@@ -61,6 +61,27 @@ def resolve_blocks(adapter: Adapter, spec: BlockWeights, root, binding) -> tuple
     return base, layer_weights(layers, base, per_block)
 
 
+def fixed_strengths(entry: StackEntry, unet_root, holds: str, remedy: str):
+    """(the entry's binding to the diffusion model or None, layer name → model strength, the CLIP strength) where
+    each layer holds one strength (weight patches, a saved file): block weights folded into the layers' strengths,
+    their BASE into the CLIP strength. A schedule or one strength per batch item is a `ShapingError` that says
+    what `holds` and gives `remedy`."""
+    adapter = entry.adapter
+    if entry.schedule is not None:
+        raise ShapingError(f"{adapter.name} has a strength schedule, which moves its strength over the sampling "
+                           f"steps; {holds}", path=adapter.path, remedy=remedy)
+    if isinstance(entry.strength_model, (list, tuple)) or isinstance(entry.blocks, tuple):
+        raise ShapingError(f"{adapter.name} has one strength per batch item (a grid's cells); {holds}",
+                           path=adapter.path, remedy="give the entry one strength")
+    on_model = binding_of(adapter, unet_root, "unet")
+    base, weights = 1.0, {}
+    if entry.blocks is not None:
+        base, weights = resolve_blocks(adapter, entry.blocks, unet_root, on_model)
+    strength = float(entry.strength_model)
+    by_layer = {name: strength * weights.get(name, 1.0) for name in (on_model.plans if on_model else ())}
+    return on_model, by_layer, float(entry.strength_clip) * base
+
+
 def _model_shaping(entry: StackEntry, root, binding):
     """The engine's schedule and layer weights for one entry, and the BASE multiplier for its CLIP."""
     adapter, blocks = entry.adapter, entry.blocks

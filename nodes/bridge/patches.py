@@ -26,10 +26,10 @@ import comfy.weight_adapter as adapters
 import torch
 
 from ...lora_engine.binding import no_match
-from ...lora_engine.errors import EngineError, ShapingError
+from ...lora_engine.errors import EngineError
 from ...lora_engine.patches import LoHa, LoKr, LowRank
 
-from .apply import StackEntry, resolve_blocks
+from .apply import StackEntry, fixed_strengths
 from .models import binding_of, layer_weight, unhookable_keys
 
 
@@ -42,26 +42,16 @@ def as_patches(model, clip, stack: Sequence[StackEntry]):
     planned = []  # (on_model, model strengths by layer, on_clip, clip strength)
     for entry in stack:
         adapter = entry.adapter
-        if entry.schedule is not None:
-            raise ShapingError(f"{adapter.name} has a strength schedule, which moves its strength over the sampling "
-                               "steps; a weight patch holds one strength", path=adapter.path,
-                               remedy="remove LoRAStrengthSchedule from this entry, or apply the stack with "
-                                      "MultiLoRALoader, which runs schedules")
-        if isinstance(entry.strength_model, (list, tuple)) or isinstance(entry.blocks, tuple):
-            raise ShapingError(f"{adapter.name} has one strength per batch item (a grid's cells); a weight patch "
-                               "holds one strength", path=adapter.path, remedy="give the entry one strength")
-        on_model = binding_of(adapter, unet_root, "unet")
+        on_model, by_layer, clip_strength = fixed_strengths(
+            entry, unet_root, "a weight patch holds one strength",
+            "remove LoRAStrengthSchedule from this entry, or apply the stack with MultiLoRALoader, which runs "
+            "schedules")
         on_clip = binding_of(adapter, clip_root, "clip") if clip_root is not None else None
         if on_model is None and on_clip is None:
             target = " / ".join(type(root).__name__ for root, _ in roots)
             raise no_match(f"{adapter.name} matches no layer of {target}", adapter,
                            sorted(unhookable_keys(adapter.layers, roots)))
-        base, weights = 1.0, {}
-        if entry.blocks is not None:
-            base, weights = resolve_blocks(adapter, entry.blocks, unet_root, on_model)
-        strength = float(entry.strength_model)
-        by_layer = {name: strength * weights.get(name, 1.0) for name in (on_model.plans if on_model else ())}
-        planned.append((on_model, by_layer, on_clip, float(entry.strength_clip) * base))
+        planned.append((on_model, by_layer, on_clip, clip_strength))
     new_model = model.clone()
     new_clip = clip.clone() if clip is not None else None
     for on_model, by_layer, on_clip, clip_strength in planned:

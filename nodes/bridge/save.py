@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import comfy.lora
 import torch
 
-from ...lora_engine import LoRAError, LoRAFileError, ShapingError, read_header
+from ...lora_engine import LoRAError, LoRAFileError, read_header
 from ...lora_engine.binding import Geometry
 from ...lora_engine.combine import LayerResult, SavedLayer, combine
 
-from .apply import StackEntry, resolve_blocks
+from .apply import StackEntry, fixed_strengths
 from .bake import check_interrupt, progress, save_target, write_atomic
 from .models import TEXT_ENCODER_LAYER, binding_of, layer_weight
 
@@ -53,7 +53,7 @@ def lora_keys(root, kind: str) -> dict[str, str]:
 
 
 def _add(layers: dict[tuple[str, str], SavedLayer], kind: str, keys, modules, binding, adapter,
-         strength: float, weights: dict[str, float] | None) -> None:
+         by_layer: dict[str, float]) -> None:
     for name, plan in binding.plans.items():
         layer = layers.get((kind, name))
         if layer is None:
@@ -63,7 +63,7 @@ def _add(layers: dict[tuple[str, str], SavedLayer], kind: str, keys, modules, bi
                                     "address it", path=adapter.path, remedy="remove this LoRA from the saved stack")
             module = modules[name]
             layer = layers[(kind, name)] = SavedLayer(name, key, Geometry.of(module), lambda m=module: layer_weight(m))
-        layer.add(plan, strength * (weights.get(name, 1.0) if weights is not None else 1.0), adapter)
+        layer.add(plan, by_layer[name], adapter)
 
 
 def saved_layers(model, clip, stack: Sequence[StackEntry]) -> list[SavedLayer]:
@@ -78,17 +78,12 @@ def saved_layers(model, clip, stack: Sequence[StackEntry]) -> list[SavedLayer]:
     layers: dict[tuple[str, str], SavedLayer] = {}
     for e in stack:
         adapter = e.adapter
-        if e.schedule is not None:
-            raise ShapingError(f"{adapter.name} has a strength schedule, and a LoRA file holds one strength per layer",
-                               path=adapter.path, remedy="remove its LoRAStrengthSchedule before saving (the file is "
-                               "then the stack at its plain strength), or save without that LoRA")
-        on_model = binding_of(adapter, unet_root, "unet")
-        base, weights = 1.0, None
-        if e.blocks is not None:
-            base, weights = resolve_blocks(adapter, e.blocks, unet_root, on_model)
+        on_model, by_layer, clip_strength = fixed_strengths(
+            e, unet_root, "a LoRA file holds one strength per layer",
+            "remove its LoRAStrengthSchedule before saving (the file is then the stack at its plain strength), or "
+            "save without that LoRA")
         if on_model is not None and e.strength_model != 0.0:
-            _add(layers, "unet", unet_keys, unet_modules, on_model, adapter, e.strength_model, weights)
-        clip_strength = e.strength_clip * base
+            _add(layers, "unet", unet_keys, unet_modules, on_model, adapter, by_layer)
         if clip_strength == 0.0:
             continue
         if clip_root is None:
@@ -99,7 +94,8 @@ def saved_layers(model, clip, stack: Sequence[StackEntry]) -> list[SavedLayer]:
             continue
         on_clip = binding_of(adapter, clip_root, "clip")
         if on_clip is not None:
-            _add(layers, "clip", clip_keys, clip_modules, on_clip, adapter, clip_strength, None)
+            _add(layers, "clip", clip_keys, clip_modules, on_clip, adapter,
+                 dict.fromkeys(on_clip.plans, clip_strength))
     return list(layers.values())
 
 
