@@ -7,7 +7,8 @@ returns the base model family, the rank and the trigger words:
   from the key names and the cross-attention width, marked `"source": "keys"`;
 - rank: the first dimension of every down/A factor (`lora_down`, `lora_A`, `.lora.down`, `hada_w1_b`...);
 - triggers: `modelspec.trigger_phrase`, then the most frequent tags of `ss_tag_frequency`;
-- format: LoRA, LoCon, LoHa, LoKr, DoRA or OFT, from the key names and shapes (`adapter_format`).
+- format: LoRA, LoCon, LoHa, LoKr, DoRA or OFT, from the key names and shapes (`adapter_format`): LoCon only
+  for a k×k convolution kernel with k > 1, never for the 1×1 conv factors of a plain LoRA.
 
 Pure standard library, so that it can be tested without ComfyUI or torch.
 """
@@ -81,16 +82,22 @@ FORMAT_KEYS = ((".dora_scale", "DoRA"), (".lora_magnitude_vector", "DoRA"), (".o
                (".oft_R", "OFT"), (".hada_w1", "LoHa"), (".lokr_w1", "LoKr"), (".lokr_w2", "LoKr"))
 
 
+# A LoCon's k×k kernel is in its down/A factor, or in its Tucker core when it has one (the down factor then 1×1).
+KERNEL_SUFFIXES = DOWN_SUFFIXES + (".lora_mid.weight",)
+
+
 def adapter_format(tensors: Mapping[str, Sequence[int]]) -> str | None:
-    """LoRA, LoCon (a LoRA with convolution factors), LoHa, LoKr, DoRA or OFT, from the header's keys and shapes;
-    None for other files (full diffs, GLoRA, IA3)."""
+    """LoRA, LoCon, LoHa, LoKr, DoRA or OFT, from the header's keys and shapes; None for other files (full diffs,
+    GLoRA, IA3). LoCon is a LoRA with a convolution kernel wider than 1 in some down/A factor ([r, in, k, k]) or
+    Tucker core (`lora_mid`, [r, r, k, k]), k > 1; 1×1 conv factors, which every kohya SD1.5 LoRA has on `proj_in`
+    and `proj_out`, are a plain LoRA."""
     for needle, name in FORMAT_KEYS:
         if any(needle in k for k in tensors):
             return name
-    downs = [shape for k, shape in tensors.items() if k.endswith(DOWN_SUFFIXES)]
-    if not downs:
+    factors = [shape for k, shape in tensors.items() if k.endswith(KERNEL_SUFFIXES)]
+    if not factors:
         return None
-    return "LoCon" if any(len(shape) > 2 for shape in downs) else "LoRA"
+    return "LoCon" if any(int(d) > 1 for shape in factors for d in shape[2:]) else "LoRA"
 
 
 def tag_counts(raw: str | None) -> Counter:
