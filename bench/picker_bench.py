@@ -1,5 +1,5 @@
 """The LoRA picker on a large library: 5,000 small valid LoRAs in 200 nested folders, a real ComfyUI server with its
-own frontend, and headless Chromium.
+own frontend, and headless Chromium, while another process keeps one core busy.
 
 Measured in the page, from the pointer's press on a LoRAStack's lora_name field (or a key's press in the search box)
 to the frame after the first result rows are in the DOM:
@@ -10,21 +10,29 @@ to the frame after the first result rows are in the DOM:
   no file);
 - search keystroke: one character typed into the search box, the list filtered over the 5,000 files.
 
-Also the /multilora/library route alone (cold and warm) and how many files its second listing read (0 expected).
+Also the /multilora/library route alone (warm), its size as sent plain and as sent to a client that accepts gzip,
+and how many files its second listing read (0 expected).
 
-    python bench/picker_bench.py                 # 5000 files, 200 folders, 10 repeats
-    python bench/picker_bench.py --files 1000 --folders 50 --repeat 5 --keep
+By default a child process spins a CPU-bound Python loop from before the server starts to the last measure (bounded
+by --busy-seconds even if the bench dies), as other work on a small machine would: `--busy 0` measures an idle
+machine. `--pack` serves another copy of the pack (an older checkout, say) for a before/after comparison.
+
+    python bench/picker_bench.py                 # 5000 files, 200 folders, 10 repeats, one core kept busy
+    python bench/picker_bench.py --files 1000 --folders 50 --repeat 5 --keep --busy 0
+    python bench/picker_bench.py --pack /tmp/old-checkout   # the same measures on another copy of the pack
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import re
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -122,7 +130,7 @@ ARM = """(what) => {
   window.__benchListChanged = false
   const list = root()?.querySelector('.mlp-list')
   if (list) new MutationObserver((_, o) => { window.__benchListChanged = true; o.disconnect() })
-    .observe(list, {childList: true})
+    .observe(list, {childList: true, subtree: true}) // a virtual list changes the rows of its window
   const mo = new MutationObserver(() => {
     if (t0 == null || !ready()) return
     mo.disconnect()
@@ -156,11 +164,39 @@ def measure_key(b, char: str) -> float:
     return b.wait_for("() => window.__benchDone", timeout_s=60)
 
 
-def library_route(url: str) -> tuple[float, dict]:
+def library_route(url: str, accept_gzip: bool = False) -> tuple[float, dict, int, str]:
+    """(ms to the parsed listing, the listing, bytes received, their Content-Encoding or 'none')."""
+    headers = {"Accept-Encoding": "gzip"} if accept_gzip else {}
     t = time.perf_counter()
-    with urllib.request.urlopen(url + "/multilora/library", timeout=600) as r:
-        doc = json.loads(r.read())
-    return (time.perf_counter() - t) * 1000, doc
+    with urllib.request.urlopen(urllib.request.Request(url + "/multilora/library", headers=headers), timeout=600) as r:
+        body = r.read()
+        encoding = r.headers.get("Content-Encoding") or "none"
+    doc = json.loads(gzip.decompress(body) if encoding == "gzip" else body)
+    return (time.perf_counter() - t) * 1000, doc, len(body), encoding
+
+
+def listed(doc: dict) -> int:
+    """How many files a listing names: the compact one (format 2) or the one before it ({files: [...]})."""
+    return sum(len(rows) for _, rows in doc["folders"]) if "folders" in doc else len(doc["files"])
+
+
+BUSY = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def start_busy(cores: int, seconds: float) -> list[subprocess.Popen]:
+    """`cores` child processes that each keep a core busy with a Python loop, each ending by itself after `seconds`."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=seconds)]) for _ in range(cores)]
+
+
+def stop_busy(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        child.terminate()
+    for child in children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 def warm_up_line(srv) -> str:
@@ -209,6 +245,10 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=5000)
     ap.add_argument("--folders", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--busy", type=int, default=1, metavar="N",
+                    help="cores kept busy by a CPU-bound child process while measuring (default 1; 0: none)")
+    ap.add_argument("--busy-seconds", type=float, default=900, help="the longest a busy child runs (default 900)")
+    ap.add_argument("--pack", type=Path, help="serve this copy of the pack instead of this checkout")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--screenshot", type=Path, help="save a picture of the picker (a search, a card) to this file")
     args = ap.parse_args()
@@ -221,8 +261,11 @@ def main() -> None:
     t = time.perf_counter()
     make_library(tmp / "models" / "loras", args.files, args.folders)
     print(f"library: {args.files} LoRAs in {args.folders} folders, made in {time.perf_counter() - t:.1f} s")
-    srv = cs.ComfyServer(models_dir=tmp / "models", workdir=tmp / "comfy")
+    pack = (args.pack or ROOT).resolve()
+    print(f"pack: {pack}; busy cores: {args.busy} (a python loop each)")
+    srv = cs.ComfyServer(models_dir=tmp / "models", workdir=tmp / "comfy", pack_root=pack)
     b = Browser(shutil.which("node"), chromium, tmp / "bridge.log")
+    busy = start_busy(args.busy, args.busy_seconds)
     try:
         started = time.perf_counter()
         srv.start()
@@ -233,9 +276,10 @@ def main() -> None:
         warm_up = warm_up_line(srv)
         cold = measure_open(b)  # the server read the headers as it started
         close_picker(b)
-        route_warm, doc = library_route(srv.url)
-        assert len(doc["files"]) == args.files, f"listed {len(doc['files'])} of {args.files}"
+        _, doc, raw_bytes, _ = library_route(srv.url)
+        assert listed(doc) == args.files, f"listed {listed(doc)} of {args.files}"
         second_reads = doc["reads"]
+        _, _, sent_bytes, encoding = library_route(srv.url, accept_gzip=True)
         seconds = []
         for _ in range(args.repeat):
             seconds.append(measure_open(b))
@@ -248,10 +292,12 @@ def main() -> None:
             load_page(b, srv.url)
             firsts.append(measure_open(b))
             close_picker(b)
-        routes = [library_route(srv.url)[0] for _ in range(args.repeat)]
+        routes = [library_route(srv.url, accept_gzip=True)[0] for _ in range(args.repeat)]
+        stop_busy(busy)
         if args.screenshot:
             screenshot(b, args.screenshot)
     finally:
+        stop_busy(busy)
         b.close()
         srv.stop()
         if not args.keep:
@@ -259,10 +305,12 @@ def main() -> None:
     med = statistics.median
     print(f"server start to ready: {ready:.1f} s; {warm_up}")
     print(f"first open, server just started: {cold:.0f} ms")
-    print(f"first open after a page reload (server cache warm): median {med(firsts):.0f} ms of {len(firsts)}")
+    print(f"first open after a page reload (server cache warm): median {med(firsts):.0f} ms, max {max(firsts):.0f} ms"
+          f" of {len(firsts)}")
     print(f"second open: median {med(seconds):.0f} ms, max {max(seconds):.0f} ms of {len(seconds)}")
     print(f"search keystroke: median {med(keys):.0f} ms, max {max(keys):.0f} ms of {len(keys)}")
-    print(f"/multilora/library warm: median {med(routes):.0f} ms of {len(routes)} (first warm call {route_warm:.0f} ms);"
+    print(f"/multilora/library: {raw_bytes / 1e3:.0f} kB plain, {sent_bytes / 1e3:.0f} kB to a client that accepts gzip"
+          f" (Content-Encoding: {encoding}); warm, gzip accepted: median {med(routes):.0f} ms of {len(routes)};"
           f" files read by the second listing: {second_reads}")
     print(machine_line())
 

@@ -10,6 +10,16 @@ identity of the file or of one of its sidecars is not in the cache: listing an u
 `warm_up()` reads the summaries once in a thread when the server starts, so that the first open of the picker
 finds them cached.
 
+The listing is compact (format 2), as the route sends it: each folder once, with its files as rows of values in the
+order of `FIELDS`, a value left out at the end of a row when it has none:
+
+    {"format": 2, "fields": ["base_model", "rank", ...], "reads": 0,
+     "folders": [["flux/characters/", [["alice_v2.safetensors", "SD1.x", 4, "2.0", "LoRA", ["alice"], <ETag>],
+                                       ["bob.safetensors", "SD1.x", 4, null, "LoRA"], ...]], ...]}
+
+A folder is the part of the names that ComfyUI lists before the file's own name, separator included ("" at the
+top), so that folder + file is the name exactly; web/library.js `parseListing` turns it back into one object a file.
+
 Confinement: a file, preview or sidecar is opened only when its real path, links followed, is inside one of the
 configured loras folders, as `bridge.resolve` requires of every name the pack opens. A LoRA whose link escapes is
 listed with an error and never opened. Errors name files as the loras folder names them, never by server paths.
@@ -34,6 +44,10 @@ CONTENT_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg
 SIDECAR_SUFFIXES = tuple(suffix for suffix, _ in triggers.SIDECARS)
 MAX_PREVIEW = 32 << 20  # bytes
 MAX_TRIGGERS = 16
+LISTING_FORMAT = 2
+# The values of a file's row after its name, the ones most files have first, so that most rows end early.
+FIELDS = ("base_model", "rank", "alpha", "format", "triggers", "preview", "title", "weight", "sidecar_error", "error")
+PREVIEW_AT = FIELDS.index("preview")
 log = logging.getLogger("multilora")
 
 
@@ -75,52 +89,54 @@ class Library:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._summaries: dict[str, tuple[tuple, dict]] = {}  # real path -> (identity, summary)
+        self._summaries: dict[str, tuple[tuple, tuple]] = {}  # real path -> (identity, values of FIELDS)
         self.reads = 0  # summaries read from disk since the start: each one a header and its sidecars
 
     def listing(self) -> dict:
-        """{"files": [{"name", "preview" (an ETag or absent), summary fields...}], "reads": summaries read now}."""
+        """The compact listing of the module's docstring: every file ComfyUI lists for "loras", by folder, with its
+        preview's ETag and its summary; `reads` counts the summaries read now."""
         names = bridge.lora_names()
         roots = bridge.folder_roots("loras")
         real_roots = [os.path.realpath(r) for r in roots]
-        by_dir: dict[str, list[str]] = defaultdict(list)
+        by_prefix: dict[str, list[str]] = defaultdict(list)
         for name in names:
-            by_dir[os.path.dirname(name)].append(name)
-        files, seen, reads = [], {}, 0
-        for folder, members in by_dir.items():
+            by_prefix[name[:len(name) - len(os.path.basename(name))]].append(name)
+        folders, seen, reads = [], {}, 0
+        for prefix, members in by_prefix.items():
             scans = []
             for root in roots:
-                directory = os.path.join(root, folder)
+                directory = os.path.join(root, os.path.dirname(members[0]))
                 real_dir = os.path.realpath(directory)
                 scans.append((_scan(directory), real_dir, _inside(real_dir, real_roots)))
+            rows = []
             for name in members:
-                entry, read = self._entry(name, scans, real_roots, seen)
-                files.append(entry)
+                row, read = self._row(name, name[len(prefix):], scans, real_roots, seen)
+                rows.append(row)
                 reads += read
+            folders.append([prefix, rows])
         with self._lock:
             self._summaries = {p: v for p, v in self._summaries.items() if p in seen}
-        return {"files": files, "reads": reads}
+        return {"format": LISTING_FORMAT, "fields": list(FIELDS), "folders": folders, "reads": reads}
 
-    def _entry(self, name: str, scans: list, roots: list[str], seen: dict) -> tuple[dict, int]:
-        base = os.path.basename(name)
-        out: dict = {"name": name}
+    def _row(self, name: str, base: str, scans: list, roots: list[str], seen: dict) -> tuple[list, int]:
+        """(the file's row of the listing, 1 if its summary was read now else 0)."""
         for scan, real_dir, dir_inside in scans:
             e = scan.get(base)
             if e is None or not e.is_file():
                 continue
-            real = os.path.realpath(e.path) if e.is_symlink() or not dir_inside else os.path.join(real_dir, base)
-            if not _inside(real, roots):
-                out["error"] = f"{name!r} resolves outside the configured loras folders (a symlink escapes)"
-                return out, 0
+            link = e.is_symlink()
+            real = os.path.realpath(e.path) if link or not dir_inside else os.path.join(real_dir, base)
+            if (link or not dir_inside) and not _inside(real, roots):
+                return _trim([base, *_values({"error": f"{name!r} resolves outside the configured loras folders (a "
+                                                        "symlink escapes)"})]), 0
+            values, read = self.summary(name, real, e.stat(), self._sidecars(real, scan, real_dir, roots))
+            seen[real] = True
+            row = [base, *values]
             preview = self._preview(base, scan, roots)
             if preview:
-                out["preview"] = preview
-            summary, read = self.summary(name, real, e.stat(), self._sidecars(real, scan, real_dir, roots))
-            seen[real] = True
-            out.update(summary)
-            return out, read
-        out["error"] = f"{name!r} is no longer in the loras folders (press Refresh)"
-        return out, 0
+                row[1 + PREVIEW_AT] = preview
+            return _trim(row), read
+        return _trim([base, *_values({"error": f"{name!r} is no longer in the loras folders (press Refresh)"})]), 0
 
     @staticmethod
     def _preview(base: str, scan: dict, roots: list[str]) -> str | None:
@@ -136,32 +152,32 @@ class Library:
         """For each sidecar of the file at `real`: None when missing, else (its identity, whether it is inside the
         loras folders). A part of the cache key; the folder's listing spares a stat of each missing one."""
         stem = _stem(real)
+        here = os.path.dirname(stem) == real_dir  # not for a LoRA linked from elsewhere: its sidecars are there
+        base = os.path.basename(stem)
         out = []
         for suffix in SIDECAR_SUFFIXES:
-            path = stem + suffix
-            here = os.path.dirname(path) == real_dir
-            e = scan.get(os.path.basename(path)) if here else None
+            e = scan.get(base + suffix) if here else None
             try:
-                st = e.stat() if e is not None else None if here else os.stat(path)
+                st = e.stat() if e is not None else None if here else os.stat(stem + suffix)
             except OSError:
                 st = None
             link = e.is_symlink() if e is not None else not here
-            out.append(None if st is None else (_identity(st), not link or _inside(os.path.realpath(path), roots)))
+            out.append(None if st is None else (_identity(st), not link or _inside(os.path.realpath(stem + suffix),
+                                                                                    roots)))
         return tuple(out)
 
-    def summary(self, name: str, real: str, st: os.stat_result, sidecars: tuple) -> tuple[dict, int]:
-        """(the summary of the LoRA at `real`, 1 if it was read now else 0), from the cache when its identity and its
-        sidecars' are the ones cached."""
+    def summary(self, name: str, real: str, st: os.stat_result, sidecars: tuple) -> tuple[tuple, int]:
+        """(the values of FIELDS that the summary of the LoRA at `real` gives, 1 if it was read now else 0), from the
+        cache when its identity and its sidecars' are the ones cached."""
         key = (_identity(st), sidecars)
-        with self._lock:
-            cached = self._summaries.get(real)
+        cached = self._summaries.get(real)  # one dict read, atomic: the listing of 5,000 files takes no lock each
         if cached is not None and cached[0] == key:
             return cached[1], 0
-        summary = read_summary(name, real, confined={i: s[1] for i, s in enumerate(sidecars) if s is not None})
+        values = _values(read_summary(name, real, confined={i: s[1] for i, s in enumerate(sidecars) if s is not None}))
         with self._lock:
-            self._summaries[real] = (key, summary)
+            self._summaries[real] = (key, values)
             self.reads += 1
-        return summary, 1
+        return values, 1
 
     def preview(self, name: str) -> tuple[str, str, os.stat_result]:
         """(real path, content type, stat) of the preview image of the LoRA `name`, or a `PreviewError` that names
@@ -182,6 +198,18 @@ class Library:
             return real, CONTENT_TYPES["." + suffix.rsplit(".", 1)[1]], os.stat(real)
         raise PreviewError(f"no preview image for {name!r} (looked for {', '.join(PREVIEW_SUFFIXES)} beside it)",
                            path=name, missing=True, remedy="put <name>.preview.png beside the LoRA")
+
+
+def _values(entry: dict) -> tuple:
+    """The values of `entry` in the order of FIELDS, None where it has none."""
+    return tuple(entry.get(k) for k in FIELDS)
+
+
+def _trim(row: list) -> list:
+    """A row of the listing without the Nones at its end (its first value, the file's name, is never None)."""
+    while row[-1] is None:
+        row.pop()
+    return row
 
 
 def read_summary(name: str, real: str, confined: dict[int, bool]) -> dict:

@@ -4,6 +4,7 @@ files are accepted only as names inside the loras folders (`bridge.resolve`), an
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 from aiohttp import web
@@ -85,11 +86,28 @@ async def get_lora_info(request):
     return web.json_response(info)
 
 
+def library_body() -> bytes:
+    """The library's compact listing (nodes/library.py) as strict JSON without spaces."""
+    listing = LIBRARY.listing()
+    try:
+        text = json.dumps(listing, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a number that is not finite (none is expected): only then is the listing walked
+        text = json.dumps(json_safe(listing), separators=(",", ":"))
+    return text.encode()
+
+
 @routes.get("/multilora/library")
 async def get_library(request):
-    """Every LoRA of the loras folders with its preview's ETag and its summary (see nodes/library.py)."""
-    listing = await asyncio.get_running_loop().run_in_executor(None, LIBRARY.listing)
-    return web.json_response(json_safe(listing), headers={"Cache-Control": "no-store"})
+    """Every LoRA of the loras folders with its preview's ETag and its summary, in the compact format of
+    nodes/library.py; gzip-compressed (in aiohttp's executor) for a client that accepts it."""
+    body = await asyncio.get_running_loop().run_in_executor(None, library_body)
+    response = web.Response(body=body, content_type="application/json",
+                            headers={"Cache-Control": "no-store", "Vary": "Accept-Encoding"})
+    if "gzip" in request.headers.get("Accept-Encoding", "").lower():
+        # ComfyUI's --enable-compress-response-body calls enable_compression() again on the way out: aiohttp then
+        # compresses once, with the coding it picks from Accept-Encoding.
+        response.enable_compression(force=web.ContentCoding.gzip)
+    return response
 
 
 def _read_preview(name: str, if_none_match: str | None):

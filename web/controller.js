@@ -1,40 +1,50 @@
 /**
- * One LoRAStackRows node on the canvas: which of its declared rows are in use, and the row
- * operations. It talks to the node only through LiteGraph's public node API (widgets, inputs,
- * getInputLink, connect, disconnectInput, addDOMWidget); the row logic is in rows.js.
+ * One LoRAStackRows or MultiLoRARows node on the canvas: which of its declared rows are in use, and the row
+ * operations. The rows are drawn one line each by the panel (panel.js); the per-row widgets stay the node's inputs,
+ * hidden from view but for a linked one (its socket needs a place) or one the row's menu shows as a socket to link.
+ * It talks to the node only through LiteGraph's public node API (widgets, inputs, getInputLink, connect,
+ * disconnectInput, addDOMWidget); the row logic is in rows.js.
  */
 
 import { createPanel } from './panel.js'
 import {
-  FIELDS, NONE, SNAPSHOT_KEY, applyOrder, booleanValue, inPrompt, inferCount, inputName, makeSnapshot, orderAfterAdd,
-  orderAfterMove, orderAfterRemove, parseInputName, promptText, promptValue, readRows, readSnapshot, rowCapacity,
-  rowValues, toggleAllValue,
+  FIELDS, NONE, SNAPSHOT_KEY, STRENGTH_MAX, STRENGTH_MIN, applyOrder, booleanValue, inPrompt, inferCount, inputName,
+  makeSnapshot, orderAfterAdd, orderAfterMove, orderAfterRemove, parseInputName, promptText, promptValue, readRows,
+  readSnapshot, rowCapacity, rowValues, strengthValue, toggleAllValue,
 } from './rows.js'
-import { badges, cacheLine, metaText, rowStatus } from './status.js'
+import { badges, cacheLine, mark, metaText, rowStatus } from './status.js'
 
-const MIN_WIDTH = 380 // room for a file name, its badges and its metadata line
+const MIN_WIDTH = 380 // room for a file name, its mark, two strengths and the row's buttons
+const PANEL_MARGIN = 4 // px around the panel inside the node (the DOM widget's margin)
+const SOCKET_LABELS = { enabled: 'on/off', lora: 'LoRA', strength_model: 'model strength', strength_clip: 'clip strength' }
 
 export class RowsController {
-  /** services: {status(), info(name), refresh(), beforeChange(), afterChange()} */
+  /** services: {status(), info(name), refresh(), beforeChange(), afterChange(), pick(node, widget),
+   * menu(items, event)} */
   constructor(node, services) {
     this.node = node
     this.services = services
     this.capacity = rowCapacity((node.widgets ?? []).map((w) => w.name))
     this.count = 1
     this.dropped = 0 // rows of a loaded snapshot beyond this version's capacity
+    this.exposed = new Set() // row inputs shown as sockets to link, by the row's menu; cleared when rows move
     this.panel = createPanel({
       add: () => this.add(),
       remove: (row) => this.remove(row - 1),
       up: (row) => this.move(row - 1, row - 2),
       down: (row) => this.move(row - 1, row),
+      move: (from, to) => this.move(from - 1, to - 1),
       toggle: (row) => this.toggle(row - 1),
       toggleAll: () => this.toggleAll(),
       refresh: () => services.refresh(),
+      pick: (row) => this.pick(row - 1),
+      strength: (row, field, text) => this.setStrength(row - 1, field, text),
+      menu: (row, event) => this.rowMenu(row - 1, event),
     })
     this.panelWidget = node.addDOMWidget('multilora_rows', 'multilora-rows', this.panel.element, {
       serialize: false,
       hideOnZoom: false,
-      margin: 4,
+      margin: PANEL_MARGIN,
       getMinHeight: () => this.panel.height(),
       getMaxHeight: () => this.panel.height(),
     })
@@ -134,6 +144,7 @@ export class RowsController {
       }
     }
     for (const m of moved) this.node.disconnectInput(m.slot, true)
+    this.exposed.clear()
     this.writeRows(rows)
     order.forEach((old, j) => {
       for (const { f, link, from } of moved.filter((x) => x.old === old)) {
@@ -185,6 +196,51 @@ export class RowsController {
     })
     this.render()
     this.node.setDirtyCanvas(true, false)
+  }
+
+  /** Open the LoRA picker for a row's LoRA (its widget is hidden; the name on the line stands for it). */
+  pick(at) {
+    const w = this.widget(inputName('lora', at + 1))
+    if (w && !this.isLinked(w.name)) this.services.pick(this.node, w)
+  }
+
+  /** A strength typed or dragged on a row's line: a number or a decimal text, kept within the widget's range; one
+   * undo step, and the widget's callback runs as for an edit of the widget itself. Other text changes nothing. */
+  setStrength(at, field, text) {
+    const w = this.widget(inputName(field, at + 1))
+    const v = strengthValue(text)
+    if (!w || v === null || this.isLinked(w.name)) {
+      this.render()
+      return
+    }
+    const value = Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, Math.round(v * 1000) / 1000))
+    this.change(() => {
+      w.value = value
+      w.callback?.(value, undefined, this.node)
+    })
+    this.render()
+    this.node.setDirtyCanvas(true, true)
+  }
+
+  /** The row's menu (a right-click on its line): show one of its inputs as a socket, to link a node to it. */
+  rowMenu(at, event) {
+    const items = FIELDS.filter((f) => !(f === 'strength_clip' && this.singleStrength())).map((f) => {
+      const name = inputName(f, at + 1)
+      const shown = this.exposed.has(name) || this.isLinked(name)
+      return {
+        content: `${shown ? '✓ ' : ''}Show row ${at + 1}'s ${SOCKET_LABELS[f]} as an input socket`,
+        disabled: this.isLinked(name),
+        callback: () => this.expose(name, !shown),
+      }
+    })
+    this.services.menu(items, event)
+  }
+
+  /** Show (or hide again) a row input's widget and socket; a linked one stays shown. */
+  expose(name, on) {
+    if (on) this.exposed.add(name)
+    else this.exposed.delete(name)
+    this.sync()
   }
 
   /** Replace the rows (a chain converted into this node). */
@@ -243,9 +299,11 @@ export class RowsController {
     } else this.render()
   }
 
+  /** A link made or removed. A socket shown by the row's menu has served once it is linked: the link keeps the
+   * widget shown, and when the link goes, the widget hides again. */
   connectionsChanged() {
-    if (this.lastLinkedRow() > this.count) this.sync()
-    else this.render()  // a row whose enabled input was linked or unlinked
+    for (const name of [...this.exposed]) if (this.isLinked(name)) this.exposed.delete(name)
+    this.sync() // a linked input shows its widget, an unlinked one hides it; a link past the rows shown adds rows
   }
 
   /** Show the rows in use, hide the rest, and fit the node to them. */
@@ -256,7 +314,9 @@ export class RowsController {
     for (const w of this.node.widgets ?? []) {
       const p = parseInputName(w.name)
       if (!p) continue
-      const hidden = p.row > this.count || (single && p.field === 'strength_clip' && !this.isLinked(w.name))
+      const linked = this.isLinked(w.name)
+      const hidden = p.row > this.count || (!linked && (!this.exposed.has(w.name)
+        || (single && p.field === 'strength_clip')))
       changed ||= !!w.hidden !== hidden
       // The canvas reads widget.hidden; the Vue node renderer ("Nodes 2.0") reads options.hidden.
       w.hidden = hidden
@@ -273,23 +333,31 @@ export class RowsController {
   render() {
     this.panel.element.dataset.multiloraNode = String(this.node.id)
     const status = this.services.status()
+    const single = this.singleStrength()
     const view = this.rows().map((row, j) => {
       const lora = row.lora !== NONE ? row.lora : ''
       const info = lora ? this.services.info(lora) : null
+      const rowBadges = badges(rowStatus(status, row.lora), !!info?.error)
+      const meta = metaText(info)
+      const strength = (f) => ({ value: row[f], linked: this.isLinked(inputName(f, j + 1)) })
       return {
         row: j + 1,
         lora,
+        loraLinked: this.isLinked(inputName('lora', j + 1)),
         enabled: row.enabled,
         linked: this.isLinked(inputName('enabled', j + 1)),
-        badges: badges(rowStatus(status, row.lora), !!info?.error),
-        meta: metaText(info),
+        single,
+        strengths: { strength_model: strength('strength_model'), strength_clip: strength('strength_clip') },
+        badges: rowBadges,
+        mark: mark(rowBadges, meta),
+        meta,
       }
     })
     const notice = this.dropped
       ? `⚠ ${this.dropped} saved row${this.dropped === 1 ? '' : 's'} did not fit: this version holds ${this.capacity}`
       : ''
     const allOn = !toggleAllValue(this.rows())
-    this.panel.render({ rows: view, canAdd: this.count < this.capacity, cache: cacheLine(status), notice, allOn })
+    this.panel.render({ rows: view, single, canAdd: this.count < this.capacity, cache: cacheLine(status), notice, allOn })
     this.shown = this.shownKey()
   }
 
@@ -302,5 +370,20 @@ export class RowsController {
    * promoted to a subgraph's node does to the node inside it. */
   drawn() {
     if (this.shown !== this.shownKey()) this.sync()
+    this.placeSockets()
+  }
+
+  /** The canvas draws a hidden widget's socket where the widget last was: while a link is dragged over the node it
+   * shows the sockets that can take it. Each hidden row input's socket is put on its row's line (the first that
+   * fits the link's type wins: the toggle, the LoRA or the model strength), and those of the rows not in use on the
+   * footer, so that a link dropped there adds a row. */
+  placeSockets() {
+    const top = this.panelWidget.y
+    if (!Number.isFinite(top)) return
+    const half = (globalThis.LiteGraph?.NODE_SLOT_HEIGHT ?? 20) / 2
+    for (const w of this.node.widgets ?? []) {
+      const p = w.hidden ? parseInputName(w.name) : null
+      if (p) w.y = top + PANEL_MARGIN + this.panel.lineMiddle(p.row) - half
+    }
   }
 }

@@ -2,6 +2,11 @@
  * "Convert to Multi-LoRA Loader" on the canvas: replaces a chain of LoraLoader, LoraLoaderModelOnly and rgthree
  * Power Lora Loader nodes with one MultiLoRARows node, relinked, as one undo step. The plan (order and rows) is
  * chain.js's; this file reads the nodes and edits the graph through LiteGraph's public node API.
+ *
+ * One undo step means one change that stays the same: ComfyUI's change tracker records the serialised graph when the
+ * outermost before/after-change pair closes, and records again whenever the graph serialises differently, as it
+ * does when a queued run recomputes the nodes' execution order. So everything the conversion changes, the moved
+ * nodes and the execution order included, is done before the change closes.
  */
 
 import { ChainError, MULTI_ROWS, isConvertible, planConversion, takesClip } from './chain.js'
@@ -71,6 +76,42 @@ function connectInput(graph, link, node, name) {
   else graph.getNodeById(link.origin_id)?.connect(link.origin_slot, node, slot, link.parentId)
 }
 
+/** A node's rectangle on the canvas, its title included: [x, y, width, height]. Measured now rather than read from
+ * boundingRect, which LiteGraph updates as it draws a frame. */
+function rectOf(node) {
+  const r = [0, 0, 0, 0]
+  node.measure(r)
+  return r
+}
+
+const overlaps = (a, b) => a[0] < b[0] + b[2] && b[0] < a[0] + a[2] && a[1] < b[1] + b[3] && b[1] < a[1] + a[3]
+const inColumn = (a, b) => a[0] < b[0] + b[2] && b[0] < a[0] + a[2]
+
+const GAP = 20 // between the new node's bottom and the title of a node moved below it
+
+/** Make room for `node` where it stands: the nodes it would cover, and the nodes below its top in its column, move
+ * down together by the distance that clears it, keeping their layout, and so does a node that one of them would then
+ * reach (one beside the column, since one in it is below the node or covered). Returns the nodes moved. */
+export function makeRoom(graph, node) {
+  const box = rectOf(node)
+  const rects = new Map(graph.nodes.filter((n) => n !== node).map((n) => [n, rectOf(n)]))
+  const covered = [...rects].filter(([, r]) => overlaps(r, box))
+  if (!covered.length) return []
+  const dy = box[1] + box[3] + GAP - Math.min(...covered.map(([, r]) => r[1]))
+  const moving = new Map([...covered, ...[...rects].filter(([, r]) => inColumn(r, box) && r[1] >= box[1])]
+    .map(([n, r]) => [n, [r[0], r[1] + dy, r[2], r[3]]]))
+  for (let grew = true; grew;) {
+    grew = false
+    for (const [n, r] of rects) {
+      if (moving.has(n) || ![...moving.values()].some((m) => overlaps(m, r))) continue
+      moving.set(n, [r[0], r[1] + dy, r[2], r[3]])
+      grew = true
+    }
+  }
+  for (const n of moving.keys()) n.pos = [n.pos[0], n.pos[1] + dy]
+  return [...moving.keys()]
+}
+
 /** Replace the chain through `clicked` (or the selected loaders, when it is one of them) with one MultiLoRARows
  * node, and return it. Throws a ChainError, changing nothing, when the nodes are not one chain. */
 export function convertChain(canvas, clicked, createNode) {
@@ -98,6 +139,10 @@ export function convertChain(canvas, clicked, createNode) {
     for (const n of chain) graph.remove(n)
     for (const t of modelOut) node.connect(outputSlot(node, 'MODEL'), t.node, t.slot, t.parentId)
     for (const t of clipOut) node.connect(outputSlot(node, 'CLIP'), t.node, t.slot, t.parentId)
+    makeRoom(graph, node) // its size is the one setRows gave it
+    // Connecting leaves the execution order as it was; a queued run would refresh it and so record a change of
+    // its own, after which undo would restore this stale one again and again.
+    graph.updateExecutionOrder()
     canvas.selectNode?.(node)
     return node
   } finally {

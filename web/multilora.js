@@ -79,6 +79,8 @@ const services = {
   },
   beforeChange: () => app.canvas?.emitBeforeChange?.(),
   afterChange: () => app.canvas?.emitAfterChange?.(),
+  pick: (node, widget) => picker.open(node, widget),
+  menu: (items, event) => new window.LiteGraph.ContextMenu(items, { event }),
 }
 
 const picker = new PickerFields(app, api, services)

@@ -2,15 +2,21 @@
  * The LoRA picker: a dialog with the folder tree of the loras folders, a search box that filters as one types, the
  * recently used LoRAs on top, a thumbnail per file and an info card for the file under the pointer or the keyboard.
  * Arrows move, Enter picks, Esc closes. The data and the search are in library.js; this module owns the DOM only.
+ *
+ * The list is virtual: a spacer as tall as every row, and in it only the rows of the visible window (and a few on
+ * each side), drawn again as the list scrolls. Rows have fixed heights (ITEM_H, SECTION_H), so a row's offset is
+ * known without drawing the rows above it, and opening the picker on 5,000 files draws a few dozen.
  */
 
 import {
-  ROOT, baseName, buildTree, cardLines, folderOf, haystack, initials, pushRecent, search, splitRecent,
+  ROOT, baseName, buildTree, cardLines, folderOf, initials, parseListing, pushRecent, rowWindow, search, splitRecent,
 } from './library.js'
 
 const STYLE_ID = 'multilora-picker-style'
 const RECENT_KEY = 'multilora.picker.recent'
-const SHOWN = 300 // rows drawn at most; a search narrows the rest
+const ITEM_H = 46 // px: a file's row (a 40 px thumbnail and 3 px above and below)
+const SECTION_H = 24 // px: a section's title ("Recently used")
+const OVERSCAN = 12 // rows drawn beyond each edge of the visible window
 
 const CSS = `
 .mlp-overlay { position: fixed; inset: 0; z-index: 10000; background: rgba(0, 0, 0, 0.35); }
@@ -24,15 +30,20 @@ const CSS = `
   background: var(--comfy-input-bg, #111); color: inherit; font: inherit; outline: none; }
 .mlp-count { color: var(--descrip-text, #999); white-space: nowrap; }
 .mlp-tree, .mlp-list, .mlp-card { overflow-y: auto; min-height: 0; }
+.mlp-list { position: relative; }
+.mlp-spacer { position: relative; }
+.mlp-window { position: absolute; left: 0; right: 0; top: 0; }
 .mlp-tree { border-right: 1px solid var(--border-color, #444); padding: 4px 0; }
 .mlp-folder { display: flex; gap: 4px; padding: 2px 6px; cursor: pointer; white-space: nowrap; }
 .mlp-folder:hover { background: rgba(255, 255, 255, 0.06); }
 .mlp-folder[data-selected="true"] { background: rgba(80, 140, 255, 0.3); }
 .mlp-folder .mlp-n { margin-left: auto; color: var(--descrip-text, #888); font-size: 11px; }
 .mlp-twist { width: 12px; flex: none; color: var(--descrip-text, #888); }
-.mlp-section { padding: 6px 8px 2px; font-size: 11px; text-transform: uppercase; color: var(--descrip-text, #999); }
-.mlp-item { display: grid; grid-template-columns: 40px 1fr; grid-template-rows: auto auto; column-gap: 8px;
-  padding: 3px 8px; cursor: pointer; align-items: center; }
+.mlp-section { box-sizing: border-box; height: ${SECTION_H}px; padding: 6px 8px 2px; font-size: 11px;
+  text-transform: uppercase; color: var(--descrip-text, #999); white-space: nowrap; overflow: hidden; }
+.mlp-item { box-sizing: border-box; height: ${ITEM_H}px; display: grid; grid-template-columns: 40px 1fr;
+  grid-template-rows: auto auto; column-gap: 8px; padding: 3px 8px; cursor: pointer; align-content: center;
+  align-items: center; }
 .mlp-item[data-active="true"] { background: rgba(80, 140, 255, 0.35); }
 .mlp-item[data-current="true"] .mlp-name { font-weight: bold; }
 .mlp-thumb { grid-row: 1 / 3; width: 40px; height: 40px; border-radius: 4px; object-fit: cover; }
@@ -41,7 +52,7 @@ const CSS = `
 .mlp-name { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .mlp-sub { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; font-size: 11px;
   color: var(--descrip-text, #999); }
-.mlp-more, .mlp-empty { padding: 8px; color: var(--descrip-text, #999); }
+.mlp-empty { padding: 8px; color: var(--descrip-text, #999); }
 .mlp-card { border-left: 1px solid var(--border-color, #444); padding: 8px; }
 .mlp-card img, .mlp-card .mlp-placeholder { width: 100%; height: auto; aspect-ratio: 1; border-radius: 6px;
   object-fit: cover; font-size: 40px; }
@@ -101,13 +112,12 @@ export class LibraryStore {
   load() {
     this.pending ??= this.getText('/multilora/library')
       .then(({ ok, text }) => {
+        if (text === this.raw) return this.cached // the same listing again: no parse, no news
         const doc = JSON.parse(text)
-        if (!ok || !Array.isArray(doc.files)) throw new Error(doc.error ?? 'the library could not be listed')
-        if (text !== this.raw) {
-          this.raw = text
-          this.cached = doc.files
-          for (const f of this.listeners) f(this.cached)
-        }
+        if (!ok) throw new Error(doc.error ?? 'the library could not be listed')
+        this.cached = parseListing(doc)
+        this.raw = text
+        for (const f of this.listeners) f(this.cached)
         return this.cached
       })
       .finally(() => {
@@ -162,6 +172,9 @@ export class Picker {
     this.tree = el('div', 'mlp-tree')
     this.list = el('div', 'mlp-list')
     this.list.setAttribute('role', 'listbox')
+    this.spacer = el('div', 'mlp-spacer')
+    this.window = el('div', 'mlp-window')
+    this.spacer.append(this.window)
     this.card = el('div', 'mlp-card')
     dialog.append(top, this.tree, this.list, this.card)
     this.root.append(dialog)
@@ -172,9 +185,14 @@ export class Picker {
       dialog.addEventListener(type, (e) => e.stopPropagation()) // not to the canvas under it
     }
     dialog.addEventListener('keydown', (e) => this.key(e))
-    this.input.addEventListener('input', () => this.renderList())
+    this.input.addEventListener('input', () => this.renderList({ top: true }))
+    this.list.addEventListener('scroll', () => this.drawWindow(), { passive: true })
+    this.resize = new ResizeObserver(() => this.drawWindow())
+    this.resize.observe(this.list)
     document.body.append(this.root)
     this.input.focus()
+    this.entries = null
+    this.items = []
     if (this.store.cached) this.setFiles(this.store.cached)
     else this.list.replaceChildren(el('div', 'mlp-empty', 'Loading the LoRA library…'))
     this.store.load().catch((e) => {
@@ -183,19 +201,22 @@ export class Picker {
   }
 
   close() {
+    this.resize?.disconnect()
     this.root?.remove()
     this.root = null
   }
 
   setFiles(files) {
-    this.files = files
-    this.index = new Map(files.map((f) => [f, haystack(f)]))
+    if (files !== this.files) {
+      this.files = files
+      this.index = new Map() // filled by the search as it goes
+      this.folders = buildTree(files)
+    }
     this.renderTree()
     this.renderList()
   }
 
   renderTree() {
-    const tree = buildTree(this.files)
     const rows = []
     const walk = (node, depth) => {
       const row = el('div', 'mlp-folder')
@@ -212,36 +233,68 @@ export class Picker {
         }
         this.folder = node.path
         this.renderTree()
-        this.renderList()
+        this.renderList({ top: true })
         this.input.focus()
       })
       rows.push(row)
       if (open) for (const child of node.children) walk(child, depth + 1)
     }
-    walk(tree, 0)
+    walk(this.folders, 0)
     this.tree.replaceChildren(...rows)
   }
 
-  renderList() {
+  /** The list's entries (sections and files) and their offsets, then its window drawn; `top`: scrolled to the top. */
+  renderList({ top = false } = {}) {
     if (!this.files) return
     const query = this.input.value
     const found = search(this.files, { query, folder: this.folder }, this.index)
     const { recent, rest } = query || this.folder !== ROOT ? { recent: [], rest: found } : splitRecent(found, this.recent)
-    const out = []
-    this.items = []
-    if (this.allowNone && !query) out.push(this.item({ name: 'None', none: true }))
+    const entries = []
+    const add = (file, section) => entries.push({ file, section, item: this.items.push(entries.length) - 1 })
+    this.items = [] // the entries that are files, in order: the keyboard's steps
+    if (this.allowNone && !query) add({ name: 'None', none: true }, 'all')
     if (recent.length) {
-      out.push(el('div', 'mlp-section', 'Recently used'))
-      for (const f of recent) out.push(this.item(f, 'recent'))
-      out.push(el('div', 'mlp-section', this.folder === ROOT ? 'All LoRAs' : this.folder))
+      entries.push({ title: 'Recently used' })
+      for (const f of recent) add(f, 'recent')
+      entries.push({ title: this.folder === ROOT ? 'All LoRAs' : this.folder })
     }
-    for (const f of rest.slice(0, SHOWN)) out.push(this.item(f))
-    if (rest.length > SHOWN) out.push(el('div', 'mlp-more', `${rest.length - SHOWN} more: type to narrow the list`))
-    if (!found.length) out.push(el('div', 'mlp-empty', `No LoRA matches "${query}"`))
-    this.list.replaceChildren(...out)
+    for (const f of rest) add(f, 'all')
+    this.entries = entries
+    this.tops = new Array(entries.length + 1)
+    let y = 0
+    for (const [i, e] of entries.entries()) {
+      this.tops[i] = y
+      y += e.file ? ITEM_H : SECTION_H
+    }
+    this.tops[entries.length] = y
+    this.drawn = new Map()
+    this.span = null
+    if (this.items.length) {
+      this.spacer.style.height = `${y}px`
+      if (this.list.firstChild !== this.spacer) this.list.replaceChildren(this.spacer)
+      if (top) this.list.scrollTop = 0
+    } else {
+      this.list.replaceChildren(el('div', 'mlp-empty', `No LoRA matches "${query}"`))
+    }
     this.count.textContent = `${found.length} of ${this.files.length}`
-    const at = Math.max(0, this.items.findIndex((i) => i.file.name === this.current))
-    this.activate(query ? 0 : at, false)
+    const at = Math.max(0, this.items.findIndex((i) => entries[i].file.name === this.current))
+    this.active = query ? 0 : at
+    this.drawWindow(true)
+    this.activate(this.active, false)
+  }
+
+  /** The rows of the entries in view (and OVERSCAN each side) put in the window; rows still in view are kept. */
+  drawWindow(force = false) {
+    if (!this.entries || !this.root || this.list.firstChild !== this.spacer) return
+    const height = this.list.clientHeight || this.list.getBoundingClientRect().height || 600
+    const [from, to] = rowWindow(this.tops, this.list.scrollTop, height, OVERSCAN)
+    if (!force && this.span?.[0] === from && this.span?.[1] === to) return
+    this.span = [from, to]
+    const drawn = new Map()
+    for (let i = from; i < to; i++) drawn.set(i, this.drawn.get(i) ?? this.row(i))
+    this.drawn = drawn
+    this.window.style.transform = `translateY(${this.tops[from]}px)`
+    this.window.replaceChildren(...drawn.values())
   }
 
   thumb(file, cls = 'mlp-thumb') {
@@ -255,36 +308,48 @@ export class Picker {
     return img
   }
 
-  item(file, section = 'all') {
+  /** The element of entry `i`: a section's title or a file's row. */
+  row(i) {
+    const { file, section, item, title } = this.entries[i]
+    if (!file) return el('div', 'mlp-section', title)
     const row = el('div', 'mlp-item')
     row.setAttribute('role', 'option')
     row.dataset.name = file.name
     row.dataset.section = section
     row.dataset.current = String(file.name === this.current)
-    const sub = file.none ? 'no LoRA' : [folderOf(file.name) || '(top)', file.base_model, file.format]
-      .filter(Boolean).join(' · ')
+    row.dataset.active = String(item === this.active)
+    row.dataset.item = String(item)
+    const folder = file.folder ?? folderOf(file.name)
+    const sub = file.none ? 'no LoRA' : [folder || '(top)', file.base_model, file.format].filter(Boolean).join(' · ')
     row.append(file.none ? el('div', 'mlp-thumb mlp-placeholder', '∅') : this.thumb(file),
       el('span', 'mlp-name', file.none ? 'None' : baseName(file.name)), el('span', 'mlp-sub', sub))
-    const index = this.items.length
-    this.items.push({ row, file })
     row.addEventListener('pointermove', () => { // a move, not a list redrawn under a still pointer
-      if (this.active !== index) this.activate(index, false)
+      if (this.active !== item) this.activate(item, false)
     })
     row.addEventListener('click', () => this.pick(file))
     return row
   }
 
+  /** Item `index` made the active one, its card shown; `scroll`: the list scrolled so that its row is in view. */
   activate(index, scroll = true) {
-    if (!this.items.length) {
+    if (!this.items?.length) {
       this.active = -1
       this.card.replaceChildren()
       return
     }
     this.active = Math.min(Math.max(index, 0), this.items.length - 1)
-    for (const [i, { row }] of this.items.entries()) row.dataset.active = String(i === this.active)
-    const { row, file } = this.items[this.active]
-    if (scroll) row.scrollIntoView({ block: 'nearest' })
-    this.showCard(file)
+    const entry = this.items[this.active]
+    if (scroll) {
+      const top = this.tops[entry]
+      const view = this.list.clientHeight
+      if (top < this.list.scrollTop) this.list.scrollTop = top
+      else if (top + ITEM_H > this.list.scrollTop + view) this.list.scrollTop = top + ITEM_H - view
+      this.drawWindow() // now, not at the scroll event: the row is there when the key's handler returns
+    }
+    for (const row of this.drawn.values()) {
+      if (row.dataset.item != null) row.dataset.active = String(Number(row.dataset.item) === this.active)
+    }
+    this.showCard(this.entries[entry].file)
   }
 
   showCard(file) {
@@ -310,8 +375,8 @@ export class Picker {
       this.activate((this.active ?? 0) + moves[e.key])
     } else if (e.key === 'Enter') {
       e.preventDefault()
-      const item = this.items?.[this.active]
-      if (item) this.pick(item.file)
+      const entry = this.items?.[this.active]
+      if (entry != null) this.pick(this.entries[entry].file)
     } else if (e.key === 'Escape') {
       e.preventDefault()
       this.close()

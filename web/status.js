@@ -118,3 +118,16 @@ export function cacheLine(status) {
   return `cache: ${items} LoRA${items === 1 ? '' : 's'}, ${formatBytes(c.bytes)} of ${formatBytes(c.max_bytes)}` +
     ` · ${c.hits | 0} hits, ${c.misses | 0} misses`
 }
+
+const MARKS = { slot: '●', cached: '●', idle: '○', partial: '⚠', error: '✕' }
+
+/** The one mark a row's line shows, {kind, text, title}: an unreadable or missing file first, then a partial match,
+ * then where the LoRA is (in a slot, cached, not loaded); the title holds every badge's detail and the metadata. */
+export function mark(rowBadges, meta) {
+  if (!rowBadges.length) return { kind: 'none', text: '', title: '' }
+  const kinds = rowBadges.map((b) => b.kind)
+  const kind = meta?.error ? 'error' : kinds.includes('partial') ? 'partial' : kinds[0]
+  const detail = rowBadges.map((b) => `${b.text}: ${b.title}`)
+  const title = [meta?.error ? `⚠ ${meta.title}` : meta?.title, ...detail].filter(Boolean).join('\n')
+  return { kind, text: MARKS[kind] ?? '•', title }
+}

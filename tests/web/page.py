@@ -60,12 +60,17 @@ ROWS_STATE = """({node}) => {
       const l = n.getInputLink(n.findInputSlot(i.name))
       return [i.name, [l.origin_id, l.origin_slot]]
     })),
-    panel: [...c.panel.element.querySelectorAll('.mlora-row')].map((r) => ({
-      row: Number(r.dataset.row), enabled: r.dataset.enabled === 'true',
-      name: r.querySelector('.mlora-name').textContent,
-      badges: [...r.querySelectorAll('.mlora-badge')].map((b) => [b.dataset.kind, b.textContent]),
-      meta: r.querySelector('.mlora-meta').textContent,
-    })),
+    panel: [...c.panel.element.querySelectorAll('.mlora-row')].map((r) => {
+      const m = r.querySelector('.mlora-mark')
+      return {
+        row: Number(r.dataset.row), enabled: r.dataset.enabled === 'true',
+        name: r.querySelector('.mlora-name').textContent,
+        mark: m.dataset.kind, kinds: m.dataset.kinds ? m.dataset.kinds.split(' ') : [], meta: m.dataset.meta,
+        detail: m.title,
+        strengths: [...r.querySelectorAll('.mlora-num')].map((e) => e.textContent),
+        height: r.getBoundingClientRect().height / app.canvas.ds.scale,
+      }
+    }),
   }
 }"""
 
@@ -108,6 +113,71 @@ def pick_combo(b, node_id: int, name: str, value: str) -> None:
         b.click(f"[data-multilora-picker] .mlp-item[data-name={json.dumps(value)}]")
     else:
         b.click(f".litecontextmenu .litemenu-entry:text-is('{value}')")
+    settle(b)
+
+
+ROW_POINT = """({node, row, inner, fx}) => {
+  app.canvas.draw(true, true)
+  const e = document.querySelector(`[data-multilora-node='${node}'] .mlora-row[data-row='${row}'] ${inner}`)
+  if (!e) throw new Error(`row ${row} shows no ${inner}`)
+  const r = e.getBoundingClientRect()
+  return [r.x + r.width * (fx ?? 0.5), r.y + r.height / 2]
+}"""
+
+
+def row_point(b, node_id: int, row: int, inner: str, fx: float = 0.5) -> tuple[float, float]:
+    """Client coordinates of an element of one line of the rows panel."""
+    return tuple(b.js(ROW_POINT, {"node": node_id, "row": row, "inner": inner, "fx": fx}))
+
+
+def num(field: str) -> str:
+    return f".mlora-num[data-field='{field}']"
+
+
+def pick_row(b, node_id: int, row: int, value: str) -> None:
+    """Click a row's LoRA name and choose `value` in the LoRA picker that it opens."""
+    x, y = row_point(b, node_id, row, ".mlora-name")
+    b.call("mouse", action="click", x=x, y=y)
+    b.wait_for("() => !!document.querySelector('[data-multilora-picker] .mlp-item')", timeout_s=10)
+    b.call("fill", selector="[data-multilora-picker] .mlp-search", text="" if value == "None" else value, timeout=5000)
+    b.click(f"[data-multilora-picker] .mlp-item[data-name={json.dumps(value)}]")
+    settle(b)
+
+
+def type_strength(b, node_id: int, row: int, field: str, value: float | str) -> None:
+    """Click a row's strength on its line and type a new one."""
+    x, y = row_point(b, node_id, row, num(field))
+    b.call("mouse", action="click", x=x, y=y)
+    b.wait_for("() => document.activeElement?.classList.contains('mlora-edit')", timeout_s=5)
+    b.call("key", press="Control+a")
+    b.call("key", type=str(value))
+    b.call("key", press="Enter")
+    settle(b)
+
+
+def drag_strength(b, node_id: int, row: int, field: str, dx: float) -> None:
+    """Drag a row's strength sideways by dx client pixels."""
+    x, y = row_point(b, node_id, row, num(field))
+    b.call("mouse", action="drag", x=x, y=y, to=[x + dx, y], steps=10)
+    settle(b)
+
+
+def drag_row(b, node_id: int, row: int, to: int) -> None:
+    """Drag a row by its grip onto the line of row `to` (its upper part when moving up, lower part when down)."""
+    x, y = row_point(b, node_id, row, ".mlora-grip")
+    _, y1 = row_point(b, node_id, to, ".mlora-grip")
+    b.call("mouse", action="drag", x=x, y=y, to=[x, y1 + (-6 if to < row else 6)], steps=12)
+    settle(b)
+
+
+def show_socket(b, node_id: int, row: int, label: str) -> None:
+    """Right-click a row's line and choose "Show row N's <label> as an input socket"."""
+    x, y = row_point(b, node_id, row, ".mlora-mark")
+    b.call("mouse", action="rclick", x=x, y=y)
+    entry = f"Show row {row}'s {label} as an input socket"
+    b.wait_for("(t) => [...document.querySelectorAll('.litemenu-entry')].some((e) => e.textContent === t)", entry,
+               timeout_s=10)
+    b.click(f".litemenu-entry:text-is({json.dumps(entry)})")
     settle(b)
 
 

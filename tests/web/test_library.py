@@ -1,8 +1,10 @@
 """The picker's routes on a real ComfyUI: the library listing (folders, previews, summaries from the header and the
-sidecars, cached by file identity) and the preview images (content type, ETag, 304), confined to the loras folders."""
+sidecars, cached by file identity; compact, and gzip-compressed for a client that accepts it) and the preview images
+(content type, ETag, 304), confined to the loras folders."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -57,8 +59,17 @@ def listing(server) -> dict:
     return server.get_json("/multilora/library")
 
 
+def files_of(doc: dict) -> list[dict]:
+    """The files of the compact listing (nodes/library.py), each with its name and only the values it has, as
+    web/library.js parseListing reads them."""
+    assert doc["format"] == 2, doc.keys()
+    fields = doc["fields"]
+    return [{"name": prefix + row[0], **{k: v for k, v in zip(fields, row[1:]) if v is not None}}
+            for prefix, rows in doc["folders"] for row in rows]
+
+
 def by_name(lib) -> dict:
-    return {f["name"]: f for f in lib["files"]}
+    return {f["name"]: f for f in files_of(lib)}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +145,31 @@ def test_listing_has_every_folder_previews_and_summaries(web_server, library):
     assert "preview" not in nothing, "a preview linked out of the loras folders is not offered"
     assert nothing["base_model"] == "SD1.x" and "triggers" not in nothing
     assert str(web_server.models_dir) not in json.dumps(files)
+
+
+def test_the_listing_is_compact_and_names_the_files_as_comfyui_does(web_server, library):
+    """Each folder once, a file's row its own name and its values in the order of `fields`, none at the end of a row;
+    folder and file give back the exact names that ComfyUI lists for the LoRA fields."""
+    doc = listing(web_server)
+    assert doc["fields"] == ["base_model", "rank", "alpha", "format", "triggers", "preview", "title", "weight",
+                             "sidecar_error", "error"]
+    prefixes = [prefix for prefix, _ in doc["folders"]]
+    assert len(prefixes) == len(set(prefixes)) and "" in prefixes and f"{TOP}/flux/characters/" in prefixes
+    rows = [row for _, rows in doc["folders"] for row in rows]
+    assert all("/" not in row[0] and row[-1] is not None and len(row) <= 1 + len(doc["fields"]) for row in rows)
+    stock = web_server.object_info("LoraLoader")["LoraLoader"]["input"]["required"]["lora_name"]
+    stock = stock[1]["options"] if stock[0] == "COMBO" else stock[0]
+    assert sorted(f["name"] for f in files_of(doc)) == sorted(stock)
+
+
+def test_the_listing_is_gzip_compressed_for_a_client_that_accepts_it(web_server, library):
+    code, headers, plain = request(web_server, "/multilora/library")
+    assert code == 200 and "Content-Encoding" not in headers, "no Accept-Encoding: the plain JSON"
+    code, headers, packed = request(web_server, "/multilora/library", {"Accept-Encoding": "gzip, deflate, br"})
+    assert code == 200 and headers["Content-Encoding"] == "gzip" and "Accept-Encoding" in headers["Vary"]
+    assert json.loads(gzip.decompress(packed)) == json.loads(plain)
+    assert len(packed) < len(plain) / 2
+    assert headers["Cache-Control"] == "no-store"
 
 
 def test_a_corrupt_sidecar_leaves_the_card_and_says_so(web_server, library):

@@ -1,6 +1,7 @@
 """The LoRA picker in ComfyUI's own frontend, in headless Chromium, against a real server: opened by the pack's LoRA
 fields in the canvas and in the Vue node renderer, its folder tree, search (name, folder, trigger word), keyboard,
-previews and info card, and a queued prompt that uses the LoRA picked. Screenshots go to .artifacts/web/."""
+previews and info card, its virtual list on 5,000 files, and a queued prompt that uses the LoRA picked. Screenshots
+go to .artifacts/web/."""
 
 from __future__ import annotations
 
@@ -99,6 +100,13 @@ def load_example(b, prefix):
 
 def open_from_canvas(b, node, widget):
     P.click_widget(b, node, widget)
+    b.wait_for(f"() => !!document.querySelector('{PICKER} .mlp-item')", timeout_s=20)
+
+
+def open_from_row(b, node):
+    """A rows node's LoRA field is the name on its first line (its widget is hidden): a click there opens the picker."""
+    x, y = P.row_point(b, node, 1, ".mlora-name")
+    b.call("mouse", action="click", x=x, y=y)
     b.wait_for(f"() => !!document.querySelector('{PICKER} .mlp-item')", timeout_s=20)
 
 
@@ -244,7 +252,10 @@ def test_every_lora_field_of_the_pack_opens_the_picker(ui, browser):
           return n.id
         }""", cls)
         P.settle(b)
-        open_from_canvas(b, node, widget)
+        if cls == "DistillFuse":
+            open_from_canvas(b, node, widget)
+        else:
+            open_from_row(b, node)
         type_query(b, "ink")
         b.call("key", press="Enter")
         assert b.js(WIDGET, {"node": node, "name": widget}) == INK, cls
@@ -279,14 +290,13 @@ def test_the_picker_in_the_vue_node_renderer(ui, browser, web_server, artifacts)
         b.click(f"{PICKER} .mlp-item[data-name='{ALICE}']")
         assert b.js(WIDGET, {"node": STACK, "name": "lora_name"}) == ALICE
         b.wait_for(f"() => document.querySelector(\"{trigger}\").textContent.includes('alice_v2')", timeout_s=10)
-        # A rows node's LoRA field (labelled "lora 1") opens it too.
+        # A rows node's LoRA field (the name on its first line) opens it too.
         rows = b.js("""() => { const n = LiteGraph.createNode('MultiLoRARows'); n.pos = [40, 700]; app.graph.add(n)
           return n.id }""")
-        trigger = f"[data-node-id='{rows}'] [data-testid='widget-select-default-trigger']"
-        b.wait_for(f"() => !!document.querySelector(\"{trigger}\")", timeout_s=30)
-        b.js(f"() => document.querySelector(\"{trigger}\").scrollIntoView()")
-        b.click(trigger)
-        b.wait_for(f"() => !!document.querySelector('{PICKER} .mlp-item')", timeout_s=20)
+        name = f"[data-multilora-node='{rows}'] .mlora-row[data-row='1'] .mlora-name"
+        b.wait_for(f"() => !!document.querySelector(\"{name}\")", timeout_s=30)
+        b.js(f"() => document.querySelector(\"{name}\").scrollIntoView()")
+        open_from_row(b, rows)
         type_query(b, "ink")
         b.call("key", press="Enter")
         assert b.js(WIDGET, {"node": rows, "name": "lora_1"}) == INK
@@ -294,6 +304,72 @@ def test_the_picker_in_the_vue_node_renderer(ui, browser, web_server, artifacts)
         web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
         b.call("reload", timeout=60_000, timeout_s=90)
         P.wait_ready(b)
+
+
+BULK = 5000
+# A picker of the page's own module on a listing of BULK files in 50 folders (format 2, no previews), its picks kept.
+OPEN_BULK = """async (n) => {
+  const { LibraryStore, Picker } = await import('/extensions/ComfyUI-MultiLoRA/picker.js')
+  const folders = Array.from({ length: 50 }, (_, i) => [`bulk/f${i}/`,
+    Array.from({ length: n / 50 }, (_, j) => [`lora_${i * (n / 50) + j}.safetensors`, 'SDXL', 8, '4', 'LoRA'])])
+  const fields = ['base_model', 'rank', 'alpha', 'format']
+  const text = JSON.stringify({ format: 2, fields, folders, reads: 0 })
+  window.__bulk = { picked: null }
+  new Picker(new LibraryStore(async () => ({ ok: true, text })), () => '')
+    .open({ onPick: (name) => { window.__bulk.picked = name } })
+}"""
+# The rows drawn: how many, the first and last, the list's scroll height, and whether the active row lies in view.
+DRAWN = """() => {
+  const list = document.querySelector('[data-multilora-picker] .mlp-list')
+  const rows = [...list.querySelectorAll('.mlp-item')]
+  const view = list.getBoundingClientRect()
+  const active = list.querySelector('.mlp-item[data-active="true"]')?.getBoundingClientRect()
+  return { n: rows.length, first: rows[0]?.dataset.name, last: rows.at(-1)?.dataset.name,
+    rowHeight: rows[0]?.getBoundingClientRect().height, scrollHeight: list.scrollHeight,
+    shown: rows.filter((r) => {
+      const b = r.getBoundingClientRect()
+      return b.bottom > view.top && b.top < view.bottom
+    }).map((r) => r.dataset.name),
+    activeInView: !!active && active.top >= view.top - 0.5 && active.bottom <= view.bottom + 0.5 }
+}"""
+
+
+def bulk(i: int) -> str:
+    return f"bulk/f{i // (BULK // 50)}/lora_{i}.safetensors"
+
+
+def test_a_long_list_draws_only_the_rows_in_view(ui, browser, artifacts):
+    """On 5,000 files the list is as tall as every row, yet only the rows around the view are in the page; scrolling,
+    the keyboard, the pointer and the search each find a file anywhere in it."""
+    b = browser
+    b.js(OPEN_BULK, BULK)
+    b.wait_for(f"() => !!document.querySelector('{PICKER} .mlp-item')", timeout_s=20)
+    assert b.js(f"() => document.querySelector('{PICKER} .mlp-count').textContent") == f"{BULK} of {BULK}"
+    drawn = b.js(DRAWN)
+    assert drawn["first"] == bulk(0) and drawn["scrollHeight"] == BULK * drawn["rowHeight"]
+    assert len(drawn["shown"]) >= 5 and drawn["n"] < 100, drawn
+    assert b.js(ACTIVE) == bulk(0) and drawn["activeInView"]
+    for _ in range(30):  # PageDown: 10 rows a press
+        b.call("key", press="PageDown")
+    b.call("key", press="ArrowUp")
+    drawn = b.js(DRAWN)
+    assert b.js(ACTIVE) == bulk(299) and drawn["activeInView"] and drawn["n"] < 100, drawn
+    assert b.js(f"() => document.querySelector('{PICKER} .mlp-card').dataset.name") == bulk(299)
+    b.js(f"() => {{ const l = document.querySelector('{PICKER} .mlp-list'); l.scrollTop = l.scrollHeight }}")
+    b.wait_for(f"() => ({DRAWN})().last === {json.dumps(bulk(BULK - 1))}", timeout_s=10)
+    drawn = b.js(DRAWN)
+    assert drawn["n"] < 100 and bulk(BULK - 1) in drawn["shown"], drawn
+    box = b.js("""(name) => { const r = [...document.querySelectorAll('[data-multilora-picker] .mlp-item')]
+      .find((r) => r.dataset.name === name).getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2] }""",
+               drawn["shown"][-2])
+    b.call("mouse", action="move", x=box[0], y=box[1], steps=4)
+    time.sleep(0.2)
+    assert b.js(ACTIVE) == drawn["shown"][-2] and b.js(CARD)["Folder"] == "bulk/f49"
+    b.call("screenshot", path=str(artifacts / "picker_virtual.png"))
+    type_query(b, "lora_4321.")
+    assert b.js(ITEMS) == [bulk(4321)] and b.js(ACTIVE) == bulk(4321)
+    b.call("key", press="Enter")
+    assert b.js(f"() => !document.querySelector('{PICKER}')") and b.js("() => window.__bulk.picked") == bulk(4321)
 
 
 def test_no_console_errors_from_the_picker(ui, browser):

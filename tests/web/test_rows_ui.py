@@ -31,6 +31,7 @@ LAYOUT = {
     "KSampler": [[1280, 40]], "VAEDecode": [[1280, 380]], "SaveImage": [[1280, 500]],
 }
 STYLE, CHARACTER, DETAIL = (r["lora"] for r in wf.EXAMPLE_ROWS)
+CHARACTER_ROW = wf.EXAMPLE_ROWS[1]
 
 
 def row(lora, sm=1.0, sc=1.0, enabled=True):
@@ -116,9 +117,8 @@ def test_rows_node_is_added_from_the_search_box(ui, browser, web_server, artifac
     assert link == node, "dragging the rows node's output onto the loader's lora_stack input links them"
     s = P.state(browser, node)
     assert s["count"] == 1 and s["capacity"] >= 8
-    assert s["shown"] == ["single_strength", "enabled_1", "lora_1", "strength_model_1", "strength_clip_1",
-                          "multilora_rows"]
-    assert [r["name"] for r in s["panel"]] == ["row 1: pick a LoRA"]
+    assert s["shown"] == ["single_strength", "multilora_rows"], "a row is one line of the panel, not four widgets"
+    assert [r["name"] for r in s["panel"]] == ["pick a LoRA"]
     P.screenshot(browser, node, artifacts / "rows_added.png")
 
 
@@ -128,27 +128,33 @@ def test_rows_add_pick_toggle_remove_and_move(ui, browser, artifacts):
         b.click(P.panel(node, ".mlora-add"))
     assert P.state(b, node)["count"] == 4
     for i, r in enumerate([*wf.EXAMPLE_ROWS, row(PARTIAL_LORA)], 1):
-        P.pick_combo(b, node, f"lora_{i}", r["lora"])
+        P.pick_row(b, node, i, r["lora"])
         for field in ("strength_model", "strength_clip"):
             if r[field] != 1.0:
-                P.type_number(b, node, f"{field}_{i}", r[field])
-    assert P.state(b, node)["rows"] == [*wf.EXAMPLE_ROWS, row(PARTIAL_LORA)]
+                P.type_strength(b, node, i, field, r[field])
+    s = P.state(b, node)
+    assert s["rows"] == [*wf.EXAMPLE_ROWS, row(PARTIAL_LORA)]
+    assert s["shown"] == ["single_strength", "multilora_rows"] and {r["height"] for r in s["panel"]} == {20}
+    assert [r["strengths"] for r in s["panel"]] == [[f"{r['strength_model']:.2f}", f"{r['strength_clip']:.2f}"]
+                                                    for r in [*wf.EXAMPLE_ROWS, row(PARTIAL_LORA)]]
 
-    # Toggle: in the panel, and with the row's own switch on the canvas.
+    # Toggle on the row's line, twice.
     click_panel(b, node, 4, "toggle")
     s = P.state(b, node)
     assert s["values"]["enabled_4"] is False and s["panel"][3]["enabled"] is False
-    P.click_widget(b, node, "enabled_4")
-    P.settle(b)
+    click_panel(b, node, 4, "toggle")
     assert P.state(b, node)["values"]["enabled_4"] is True
-    P.click_widget(b, node, "enabled_4")
-    P.settle(b)
+    click_panel(b, node, 4, "toggle")
     assert P.state(b, node)["values"]["enabled_4"] is False
 
+    # A strength dragged sideways: 2 px a step of 0.01, set once on release; text that is no number changes nothing.
     b.click(P.panel(node, ".mlora-add"))
-    P.pick_combo(b, node, "lora_5", META_LORA)
-    P.type_number(b, node, "strength_model_5", 0.3)
-    P.type_number(b, node, "strength_clip_5", 0.3)
+    P.pick_row(b, node, 5, META_LORA)
+    P.drag_strength(b, node, 5, "strength_model", -140)
+    assert P.state(b, node)["values"]["strength_model_5"] == pytest.approx(0.3)
+    P.type_strength(b, node, 5, "strength_clip", "not a number")
+    assert P.state(b, node)["values"]["strength_clip_5"] == 1.0
+    P.type_strength(b, node, 5, "strength_clip", 0.3)
     meta = row(META_LORA, 0.3, 0.3)
     partial_off = row(PARTIAL_LORA, enabled=False)
     style, character, detail = wf.EXAMPLE_ROWS
@@ -163,15 +169,19 @@ def test_rows_add_pick_toggle_remove_and_move(ui, browser, artifacts):
     assert P.state(b, node)["rows"] == [style, detail, partial_off, meta]
 
     b.click(P.panel(node, ".mlora-add"))
-    P.pick_combo(b, node, "lora_5", CHARACTER)
-    P.type_number(b, node, "strength_model_5", character["strength_model"])
-    P.type_number(b, node, "strength_clip_5", character["strength_clip"])
-    for at in (5, 4, 3):
-        click_panel(b, node, at, "up")
+    P.pick_row(b, node, 5, CHARACTER)
+    P.type_strength(b, node, 5, "strength_model", character["strength_model"])
+    P.type_strength(b, node, 5, "strength_clip", character["strength_clip"])
+    P.drag_row(b, node, 5, 2)  # by its grip, onto the second line
+    assert P.state(b, node)["rows"] == [style, character, detail, partial_off, meta]
+    P.drag_row(b, node, 1, 3)
+    assert P.state(b, node)["rows"] == [character, detail, style, partial_off, meta]
+    P.drag_row(b, node, 3, 1)
     click_panel(b, node, 5, "toggle")
     s = P.state(b, node)
     assert s["rows"] == FINAL_ROWS and s["count"] == 5
     assert [r["name"] for r in s["panel"]] == [r["lora"] for r in FINAL_ROWS]
+    assert s["shown"] == ["single_strength", "multilora_rows"]
     assert [r["enabled"] for r in s["panel"]] == [r["enabled"] for r in FINAL_ROWS]
     assert b.call("count", selector=P.panel(node, ".mlora-row[data-row='1'] button[data-act='up']:disabled")) == 1
     P.screenshot(b, node, artifacts / "rows_edited.png")
@@ -200,8 +210,12 @@ def test_strengths_are_real_inputs_that_move_with_their_row(ui, browser):
       return n.id
     }""")
     P.settle(b)
+    P.show_socket(b, node, 2, "model strength")  # the row's menu shows its hidden input with its socket
+    assert P.state(b, node)["shown"] == ["single_strength", "strength_model_2", "multilora_rows"]
     P.drag_link(b, (prim, "FLOAT"), (node, "strength_model_2"))
-    assert P.state(b, node)["links"].get("strength_model_2") == [prim, 0]
+    s = P.state(b, node)
+    assert s["links"].get("strength_model_2") == [prim, 0]
+    assert s["panel"][1]["strengths"] == ["⇠", f"{CHARACTER_ROW['strength_clip']:.2f}"], "the line says it is linked"
     # A reroute on the link, as the link's "Add Reroute" makes: the link keeps it as it moves.
     reroute = b.js("""(id) => {
       const n = app.graph.getNodeById(id)
@@ -212,6 +226,7 @@ def test_strengths_are_real_inputs_that_move_with_their_row(ui, browser):
     click_panel(b, node, 2, "down")
     s = P.state(b, node)
     assert s["links"].get("strength_model_3") == [prim, 0] and "strength_model_2" not in s["links"]
+    assert s["shown"] == ["single_strength", "strength_model_3", "multilora_rows"], "a linked input stays shown"
     assert s["rows"][2]["lora"] == CHARACTER and s["rows"][1]["lora"] == DETAIL
     assert b.js(REROUTES, node) == {"strength_model_3": [reroute, True]}
     click_panel(b, node, 3, "up")
@@ -233,6 +248,7 @@ def test_a_linked_enabled_input_is_shown_as_linked_and_not_toggled(ui, browser):
       return n.id
     }""")
     P.settle(b)
+    P.show_socket(b, node, 1, "on/off")
     P.drag_link(b, (switch, "BOOLEAN"), (node, "enabled_1"))
     assert P.state(b, node)["links"].get("enabled_1") == [switch, 0]
     toggle = P.panel(node, ".mlora-row[data-row='1'] button[data-act='toggle']")
@@ -279,23 +295,20 @@ def test_status_and_metadata_appear(ui, browser, web_server, artifacts):
     b.click(P.panel(node, ".mlora-refresh"))
     b.wait_for("""(id) => {
       const rows = document.querySelectorAll(`[data-multilora-node='${id}'] .mlora-row`)
-      return rows.length === 5 && rows[3].querySelector('[data-kind="partial"]')
-        && rows[4].querySelector('.mlora-meta').textContent.includes('triggers')
+      return rows.length === 5 && rows[3].querySelector('.mlora-mark[data-kind="partial"]')
+        && rows[4].querySelector('.mlora-mark').dataset.meta.includes('triggers')
     }""", node, timeout_s=30)
     s = P.state(b, node)
     for r in s["panel"][:3]:
-        kinds = [k for k, _ in r["badges"]]
-        assert kinds[0] in ("slot", "cached") and kinds[1] == "layers" and "partial" not in kinds, r
+        assert r["mark"] in ("slot", "cached") and r["kinds"][1] == "layers" and "partial" not in r["kinds"], r
         assert r["meta"].startswith("SD1.x? · rank "), r  # no kohya metadata: guessed from the keys
-    assert s["panel"][0]["badges"][0][0] == "slot", "the last run's adapters are resident in slots"
-    partial = dict(s["panel"][3]["badges"])
-    assert partial["partial"] == "⚠ partial"
+        assert "layers matched, of" in r["detail"] and "base model: SD1.x (guessed from the keys)" in r["detail"], r
+    assert s["panel"][0]["mark"] == "slot", "the last run's adapters are resident in slots"
+    assert s["panel"][3]["mark"] == "partial" and "1 layers match no layer" in s["panel"][3]["detail"]
     assert s["panel"][4]["meta"] == "SD1.x · rank 4 · triggers: sks dog, outdoors, grass, dog"
+    assert "trigger words: sks dog, outdoors, grass, dog" in s["panel"][4]["detail"]
     rank = synth.STANDARD_LORAS["peft"]["rank"]
     assert s["panel"][1]["meta"] == f"SD1.x? · rank {rank}"
-    title = b.js("(id) => document.querySelector(`[data-multilora-node='${id}'] "
-                 ".mlora-row[data-row='4'] [data-kind='partial']`).title", node)
-    assert "1 layers match no layer" in title
     P.screenshot(b, node, artifacts / "rows_status.png")
 
 
@@ -317,14 +330,14 @@ def test_refresh_node_definitions_reads_the_metadata_again(ui, browser, web_mode
     b, node = browser, rows_node(ui)
     late = web_models_dir / "loras" / "ui_arrives_late.safetensors"
     set_lora = "(a) => { app.graph.getNodeById(a.node).widgets.find((w) => w.name === 'lora_5').value = a.name }"
-    meta = ("(id) => app.graph.getNodeById(id).multiloraRows.panel.element"
-            ".querySelector('.mlora-row[data-row=\"5\"] .mlora-meta')")
+    mark = ("(id) => app.graph.getNodeById(id).multiloraRows.panel.element"
+            ".querySelector('.mlora-row[data-row=\"5\"] .mlora-mark')")
     b.js(set_lora, {"node": node, "name": late.name})
     try:
-        b.wait_for(f"(id) => ({meta})(id)?.dataset.error === 'true'", node, timeout_s=30)
+        b.wait_for(f"(id) => ({mark})(id)?.dataset.kind === 'error'", node, timeout_s=30)
         shutil.copyfile(web_models_dir / "loras" / META_LORA, late)
         b.js("async () => { await app.refreshComboInNodes() }")
-        b.wait_for(f"(id) => ({meta})(id)?.textContent.includes('triggers')", node, timeout_s=30)
+        b.wait_for(f"(id) => ({mark})(id)?.dataset.meta.includes('triggers')", node, timeout_s=30)
     finally:
         b.js(set_lora, {"node": node, "name": META_LORA})
         late.unlink(missing_ok=True)
@@ -451,6 +464,7 @@ def test_single_strength_mode(ui, browser, artifacts):
     s = P.state(b, node)
     assert s["single"] is True
     assert not [n for n in s["shown"] if n.startswith("strength_clip_")]
+    assert {len(r["strengths"]) for r in s["panel"]} == {1}, "one strength per line"
     inputs = P.prompt(b, node)["inputs"]
     assert inputs["single_strength"] is True and not [k for k in inputs if k.startswith("strength_clip_")]
     P.screenshot(b, node, artifacts / "rows_single_strength.png")
@@ -461,16 +475,6 @@ def test_single_strength_mode(ui, browser, artifacts):
 
 VUE_LABELS = """(id) => [...document.querySelectorAll(`[data-node-id="${id}"] [data-testid=widget-layout-field-label]`)]
   .map((e) => e.textContent.trim())"""
-
-
-# The centre of the toggle option `text` ('on' / 'off') of the Vue widget labelled `label`.
-VUE_TOGGLE = """({node, label, text}) => {
-  const el = document.querySelector(`[data-node-id="${node}"]`)
-  const leaf = (t) => [...el.querySelectorAll('*')].filter((e) => e.children.length === 0 && e.textContent.trim() === t)
-  const y = leaf(label)[0].getBoundingClientRect().y
-  const r = leaf(text).find((e) => Math.abs(e.getBoundingClientRect().y - y) < 12).getBoundingClientRect()
-  return [r.x + r.width / 2, r.y + r.height / 2]
-}"""
 
 
 def vue_labels(b, node, want, timeout_s=30.0):
@@ -484,7 +488,8 @@ def vue_labels(b, node, want, timeout_s=30.0):
 
 
 def test_rows_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
-    """"Nodes 2.0" draws nodes as DOM and reads widget options: the same rows show, the panel works."""
+    """"Nodes 2.0" draws nodes as DOM and reads widget options: the same one-line rows show, and each of their
+    controls works there as on the canvas."""
     b, node = browser, rows_node(ui)
     if "saved" not in ui:
         pytest.skip("needs the workflow saved by test_saved_workflow_reloads_with_identical_values")
@@ -495,25 +500,32 @@ def test_rows_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
         b.call("reload", timeout=60_000, timeout_s=90)
         P.wait_ready(b)
         assert b.js("() => LiteGraph.vueNodesMode") is True
-        rows = [f"{f} {i}" for i in range(1, len(FINAL_ROWS) + 1) for f in ("row", "lora", "model", "clip")]
-        shown = ["single strength", *rows]
-        assert vue_labels(b, node, shown) == shown
+        # The primitive's link keeps its row's strength shown as a widget, with its socket.
+        assert vue_labels(b, node, ["single strength", "model 2"]) == ["single strength", "model 2"]
+        b.wait_for(f"() => document.querySelectorAll(`{P.panel(node, '.mlora-row')}`).length === {len(FINAL_ROWS)}",
+                   timeout_s=30)
+        if "chain" in ui:  # queued from this renderer: the chained workflow's image, as on the canvas
+            assert mad(image_of(web_server, P.queue_from_ui(b)), ui["chain"]) < 0.5
         b.click(P.panel(node, ".mlora-add"))
-        extra = [f"{f} {len(FINAL_ROWS) + 1}" for f in ("row", "lora", "model", "clip")]
-        assert vue_labels(b, node, shown + extra, 10) == shown + extra
+        assert len(P.state(b, node)["panel"]) == len(FINAL_ROWS) + 1
         click_panel(b, node, len(FINAL_ROWS) + 1, "remove")
-        assert vue_labels(b, node, shown, 10) == shown
-        assert P.state(b, node)["rows"] == FINAL_ROWS
-        # The Vue widgets call a widget's callback, not the node's onWidgetChanged: the panel follows them too.
+        s = P.state(b, node)
+        assert s["rows"] == FINAL_ROWS and len(s["panel"]) == len(FINAL_ROWS)
+        assert {round(r["height"]) for r in s["panel"]} == {20}, "one 20 px line per row"
         last = len(FINAL_ROWS)
-        for text, want in (("on", True), ("off", False)):
-            x, y = b.js(VUE_TOGGLE, {"node": node, "label": f"row {last}", "text": text})
-            b.call("mouse", action="click", x=x, y=y)
-            P.settle(b)
+        for want in (True, False):
+            click_panel(b, node, last, "toggle")
             s = P.state(b, node)
             assert s["values"][f"enabled_{last}"] is want and s["panel"][last - 1]["enabled"] is want
+        P.type_strength(b, node, 1, "strength_clip", 0.45)
+        assert P.state(b, node)["values"]["strength_clip_1"] == 0.45
+        P.drag_strength(b, node, 1, "strength_clip", 10)  # 10 px on the screen: 5 steps of 0.01
+        assert P.state(b, node)["values"]["strength_clip_1"] == pytest.approx(0.5)
+        P.drag_row(b, node, 1, 2)
+        assert P.state(b, node)["rows"][:2] == [{**FINAL_ROWS[1]}, {**FINAL_ROWS[0], "strength_clip": 0.5}]
         b.call("screenshot", path=str(artifacts / "rows_vue_nodes.png"))
     finally:
+        b.js("async (w) => { await app.loadGraphData(w) }", ui["saved"])
         web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
         b.call("reload", timeout=60_000, timeout_s=90)
         P.wait_ready(b)

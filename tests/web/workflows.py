@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 from tests.host import workflows as host_wf
 
@@ -64,3 +65,25 @@ def rows_api(prompt: dict, rows: list[dict], single_strength: bool = False) -> d
     p["rows"] = {"class_type": "LoRAStackRows", "inputs": inputs}
     p[loader]["inputs"]["lora_stack"] = ["rows", 0]
     return p
+
+
+def _synthetic_names(value):
+    """A value of the example with its file names, and the stems of its `<lora:…>` tags, made the synthetic ones."""
+    if not isinstance(value, str):
+        return value
+    value = host_wf.NAMES.get(value, value)
+    for example, synthetic in host_wf.NAMES.items():
+        value = value.replace(f"<lora:{Path(example).stem}:", f"<lora:{Path(synthetic).stem}:")
+    return value
+
+
+def rows_example(prefix: str) -> tuple[dict, dict]:
+    """examples/workflows/multilora_rows.json (saved before the rows were drawn one line each) and its API twin, both
+    on the synthetic files and sampling as `small_ui` does."""
+    ui = small_ui(load_ui("multilora_rows.json"), prefix)
+    for node in ui["nodes"]:
+        node["widgets_values"] = [_synthetic_names(v) for v in node.get("widgets_values") or []]
+    api = host_wf.small(host_wf.load("multilora_rows_api.json"), size=SIZE, steps=STEPS, cfg=CFG, prefix=prefix)
+    for node in api.values():
+        node["inputs"] = {k: _synthetic_names(v) for k, v in node["inputs"].items()}
+    return ui, api

@@ -1,9 +1,11 @@
-// The picker's data without the DOM (web/library.js): the folder tree, the search, the recent names, the card.
+// The picker's data without the DOM (web/library.js): the compact listing, the folder tree, the search, the recent
+// names, the card and the virtual list's window.
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
 import {
-  MAX_RECENT, baseName, buildTree, cardLines, folderOf, initials, isPickerField, pushRecent, search, splitRecent,
+  LISTING_FORMAT, MAX_RECENT, baseName, buildTree, cardLines, folderOf, initials, isPickerField, parseListing,
+  pushRecent, rowWindow, search, splitRecent,
 } from '../library.js'
 
 const FILES = [
@@ -15,6 +17,69 @@ const FILES = [
   { name: 'win\\sub\\back.safetensors' },
 ]
 const names = (files) => files.map((f) => f.name)
+
+// The route's compact form of FILES (nodes/library.py listing): each folder once, rows in `fields` order.
+const FIELDS = ['base_model', 'rank', 'alpha', 'format', 'triggers', 'preview', 'title', 'weight', 'sidecar_error',
+  'error']
+const listing = (folders) => ({ format: LISTING_FORMAT, fields: FIELDS, folders, reads: 0 })
+const COMPACT = listing([
+  ['flux/characters/', [['alice_v2.safetensors', 'Flux', null, null, null, ['alice', 'blue dress']],
+    ['bob.safetensors', null, null, null, null, null, null, 'Bob the builder']]],
+  ['flux/styles/', [['ink.safetensors']]],
+  ['wan22/lightning/', [['fast.safetensors', null, null, null, null, ['speed']]]],
+  ['', [['top.safetensors']]],
+  ['win\\sub\\', [['back.safetensors']]],
+])
+
+test('the compact listing gives back every file: its exact name, its folder, only the values it has', () => {
+  const files = parseListing(COMPACT)
+  assert.deepEqual(files.map(({ folder, ...f }) => f), FILES)
+  assert.deepEqual(files.map((f) => f.folder), ['flux/characters', 'flux/characters', 'flux/styles', 'wan22/lightning',
+    '', 'win/sub'])
+  const [full] = parseListing(listing([['a/', [['x.safetensors', 'SDXL', 8, '4.0', 'LoKr', ['w'], '"e1"', 'T', 0.7,
+    'b.json: not valid JSON', 'truncated']]]]))
+  assert.deepEqual(full, { name: 'a/x.safetensors', folder: 'a', base_model: 'SDXL', rank: 8, alpha: '4.0',
+    format: 'LoKr', triggers: ['w'], preview: '"e1"', title: 'T', weight: 0.7, sidecar_error: 'b.json: not valid JSON',
+    error: 'truncated' })
+  assert.deepEqual(parseListing(listing([])), [])
+})
+
+test('a listing of another format, or an error, is refused with what to do', () => {
+  assert.throws(() => parseListing({ files: FILES }), /not of format 2 \(reload the page\)/)
+  assert.throws(() => parseListing({ error: 'boom' }), /boom/)
+})
+
+test('the files parsed from the listing search and build the tree as the plain ones', () => {
+  const files = parseListing(COMPACT)
+  assert.deepEqual(buildTree(files), buildTree(FILES))
+  for (const q of [{ query: 'characters' }, { folder: 'flux' }, { folder: 'win/sub' }, { query: 'speed' }]) {
+    assert.deepEqual(names(search(files, q)), names(search(FILES, q)), JSON.stringify(q))
+  }
+})
+
+test('the window of a virtual list: the rows in view and `overscan` more each side, within the list', () => {
+  const tops = [0, 24, 70, 116, 162, 208, 254] // a 24 px section, then five 46 px rows; 254 the full height
+  assert.deepEqual(rowWindow(tops, 0, 100, 0), [0, 3])
+  assert.deepEqual(rowWindow(tops, 0, 100, 1), [0, 4])
+  assert.deepEqual(rowWindow(tops, 80, 46, 0), [2, 4], 'a row half in view is drawn')
+  assert.deepEqual(rowWindow(tops, 116, 46, 0), [3, 4], 'a row that ends where the view begins is not')
+  assert.deepEqual(rowWindow(tops, 208, 500, 2), [3, 6], 'scrolled to the end')
+  assert.deepEqual(rowWindow(tops, 0, 0, 0), [0, 1], 'a list not laid out yet draws its first row')
+  assert.deepEqual(rowWindow([0], 0, 100, 3), [0, 0], 'an empty list draws nothing')
+  const many = Array.from({ length: 5001 }, (_, i) => i * 46)
+  assert.deepEqual(rowWindow(many, 46 * 2500 + 10, 500, 12), [2488, 2524]) // rows 2500 to 2511 in view
+})
+
+test('a search indexes the files it reads, once', () => {
+  const index = new Map()
+  assert.deepEqual(names(search(FILES, {}, index)), names(FILES))
+  assert.equal(index.size, 0, 'no query: no text built')
+  search(FILES, { query: 'ink' }, index)
+  assert.equal(index.size, FILES.length)
+  const text = index.get(FILES[0])
+  search(FILES, { query: 'inks' }, index)
+  assert.equal(index.get(FILES[0]), text)
+})
 
 test('folders and base names, either separator', () => {
   assert.equal(folderOf('flux/characters/alice_v2.safetensors'), 'flux/characters')
@@ -84,7 +149,7 @@ test('the LoRA fields of the pack that open the picker', () => {
 
 test('the library store keeps the listing, tells its listeners only of a changed one, and forgets it on Refresh', async () => {
   const { LibraryStore } = await import('../picker.js')
-  let text = JSON.stringify({ files: [{ name: 'a.safetensors' }], reads: 1 })
+  let text = JSON.stringify(listing([['', [['a.safetensors']]]]))
   const asked = []
   const store = new LibraryStore(async (path) => {
     asked.push(path)
@@ -96,7 +161,7 @@ test('the library store keeps the listing, tells its listeners only of a changed
   assert.deepEqual((await store.load()).map((f) => f.name), ['a.safetensors'])
   await store.load()
   assert.deepEqual(heard, [['a.safetensors']], 'the same listing again is not news')
-  text = JSON.stringify({ files: [{ name: 'a.safetensors' }, { name: 'b.safetensors' }], reads: 1 })
+  text = JSON.stringify(listing([['', [['a.safetensors'], ['b.safetensors']]]]))
   await store.load()
   assert.deepEqual(heard.at(-1), ['a.safetensors', 'b.safetensors'])
   assert.deepEqual(asked, ['/multilora/library', '/multilora/library', '/multilora/library'])

@@ -2,6 +2,7 @@ import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
 import { ChainError, POWER_LORA_LOADER, orderChain, planConversion, rowsOf } from '../chain.js'
+import { makeRoom } from '../convert.js'
 import { promptText, tagName, toggleAllValue } from '../rows.js'
 
 const row = (lora, sm = 1, sc = sm, enabled = true) => ({ enabled, lora, strength_model: sm, strength_clip: sc })
@@ -54,3 +55,38 @@ test('forks, separate chains and a clip from elsewhere are refused with the reas
   const many = Array.from({ length: 65 }, (_, i) => loader(100 + i, i ? 99 + i : 1, i ? 99 + i : 1, { lora_name: `l${i}` }))
   assert.throws(() => planConversion(many), /65 LoRAs; one node holds 64/)
 })
+
+// A node as makeRoom reads it: its position, size and LiteGraph's measure(), a 30 px title above its position.
+const TITLE = 30
+const box = (id, x, y, w, h) => ({
+  id, pos: [x, y], size: [w, h],
+  measure(out) { out.splice(0, 4, this.pos[0], this.pos[1] - TITLE, this.size[0], this.size[1] + TITLE) },
+})
+const room = (made, ...nodes) => {
+  const moved = makeRoom({ nodes: [made, ...nodes] }, made).map((n) => n.id).sort()
+  return { moved, pos: Object.fromEntries(nodes.map((n) => [n.id, n.pos])) }
+}
+
+// The new node stands at (100, 100), 380 wide and 300 high: its title at 70, its bottom at 400. Nodes move below
+// it with a 20 px gap, their title's top at 420.
+const ROOM_CASES = [
+  ['covers nothing: nothing moves', [box('beside', 520, 100, 300, 500), box('below', 100, 450, 300, 100)],
+    { moved: [], pos: { beside: [520, 100], below: [100, 450] } }],
+  ['the nodes under it move down together, keeping their layout',
+    [box('a', 100, 250, 300, 100), box('b', 140, 420, 300, 100), box('beside', 600, 250, 200, 100)],
+    { moved: ['a', 'b'], pos: { a: [100, 450], b: [140, 620], beside: [600, 250] } }],
+  ['a node in its column below it moves too, though not covered',
+    [box('a', 300, 350, 300, 100), box('far', 0, 900, 150, 100)],
+    { moved: ['a', 'far'], pos: { a: [300, 450], far: [0, 1000] } }],
+  ['a node beside that a moved node would reach moves with it',
+    [box('a', 100, 300, 450, 100), box('next', 500, 480, 300, 100), box('side', 520, 0, 300, 200)],
+    { moved: ['a', 'next'], pos: { a: [100, 450], next: [500, 630], side: [520, 0] } }],
+  ['a node above it stays where it is', [box('above', 100, -200, 300, 100), box('a', 100, 350, 300, 100)],
+    { moved: ['a'], pos: { above: [100, -200], a: [100, 450] } }],
+]
+
+for (const [name, nodes, expected] of ROOM_CASES) {
+  test(`makeRoom: ${name}`, () => {
+    assert.deepEqual(room(box('made', 100, 100, 380, 300), ...nodes), expected)
+  })
+}
