@@ -265,6 +265,7 @@ export class RowsController {
       this.count = inferCount((n) => this.get(n), this.capacity, (n) => this.isLinked(n))
       this.booleansAsBooleans()
     }
+    this.sizedFor = null // the size the node was saved with stands for these rows
     this.sync()
   }
 
@@ -325,9 +326,19 @@ export class RowsController {
     // Assigning the same widgets again is how the Vue renderer learns that their options changed.
     if (changed && this.node.widgets) this.node.widgets = [...this.node.widgets]
     this.render()
-    const [, height] = this.node.computeSize()
-    this.node.setSize([this.node.size[0], height])
+    // The Vue renderer grows a node to its DOM's height; it is sized here only when the rows shown change, so that
+    // a loaded (or undone) node keeps the size it was saved with, the one the renderer measures.
+    const shown = this.shownWidgets()
+    if (!globalThis.LiteGraph?.vueNodesMode || (this.sizedFor !== null && shown !== this.sizedFor)) {
+      this.node.setSize([this.node.size[0], this.node.computeSize()[1]])
+    }
+    this.sizedFor = shown
     this.node.setDirtyCanvas(true, true)
+  }
+
+  /** The widgets shown and the rows in use, as text. */
+  shownWidgets() {
+    return JSON.stringify([this.count, (this.node.widgets ?? []).filter((w) => !w.hidden).map((w) => w.name)])
   }
 
   render() {

@@ -114,7 +114,7 @@ export function makeRoom(graph, node) {
 
 /** Replace the chain through `clicked` (or the selected loaders, when it is one of them) with one MultiLoRARows
  * node, and return it. Throws a ChainError, changing nothing, when the nodes are not one chain. */
-export function convertChain(canvas, clicked, createNode) {
+export function convertChain(canvas, clicked, createNode, sized = null) {
   const graph = clicked.graph
   const selected = Object.values(canvas.selected_nodes ?? {}).filter((n) => isConvertible(n.type))
   const nodes = selected.length > 1 && selected.includes(clicked) ? selected : chainThrough(clicked)
@@ -129,8 +129,24 @@ export function convertChain(canvas, clicked, createNode) {
 
   canvas.emitBeforeChange()
   graph.beforeChange?.()
+  let node = null
+  const finish = () => {
+    try {
+      if (node) {
+        makeRoom(graph, node) // at the size the renderer gave it
+        // Connecting leaves the execution order as it was; a queued run would refresh it and so record a change
+        // of its own, after which undo would restore this stale one again and again.
+        graph.updateExecutionOrder()
+        canvas.selectNode?.(node)
+      }
+      return node
+    } finally {
+      graph.afterChange?.()
+      canvas.emitAfterChange()
+    }
+  }
   try {
-    const node = createNode(MULTI_ROWS)
+    node = createNode(MULTI_ROWS)
     node.pos = [...chain[0].pos]
     graph.add(node)
     node.multiloraRows.setRows(rows)
@@ -139,14 +155,33 @@ export function convertChain(canvas, clicked, createNode) {
     for (const n of chain) graph.remove(n)
     for (const t of modelOut) node.connect(outputSlot(node, 'MODEL'), t.node, t.slot, t.parentId)
     for (const t of clipOut) node.connect(outputSlot(node, 'CLIP'), t.node, t.slot, t.parentId)
-    makeRoom(graph, node) // its size is the one setRows gave it
-    // Connecting leaves the execution order as it was; a queued run would refresh it and so record a change of
-    // its own, after which undo would restore this stale one again and again.
-    graph.updateExecutionOrder()
-    canvas.selectNode?.(node)
-    return node
-  } finally {
-    graph.afterChange?.()
-    canvas.emitAfterChange()
+  } catch (e) {
+    finish()
+    throw e
   }
+  // The Vue renderer sizes the node from its DOM a few frames later: the change is recorded once it has, so that
+  // undo and redo restore the node at the size it keeps, and the room made below it is the room it takes.
+  if (!sized) return finish()
+  return sized(node).then(finish, (e) => {
+    finish()
+    throw e
+  })
+}
+
+/** Resolves once `node.size` has held for `frames` animation frames (at most `limit` frames): the Vue renderer
+ * measures a new node's DOM and writes its size back a few frames after it is added. */
+export function sizeSettled(node, frames = 10, limit = 240, nextFrame = (f) => requestAnimationFrame(f)) {
+  return new Promise((resolve) => {
+    let last = JSON.stringify([...node.size])
+    let same = 0
+    let seen = 0
+    const tick = () => {
+      const now = JSON.stringify([...node.size])
+      same = now === last ? same + 1 : 0
+      last = now
+      if (same >= frames || ++seen >= limit) resolve(node)
+      else nextFrame(tick)
+    }
+    nextFrame(tick)
+  })
 }

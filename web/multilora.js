@@ -15,7 +15,7 @@ import { api } from '../../scripts/api.js'
 import { app } from '../../scripts/app.js'
 import { ChainError, isConvertible } from './chain.js'
 import { RowsController } from './controller.js'
-import { convertChain } from './convert.js'
+import { convertChain, sizeSettled } from './convert.js'
 import { PickerFields } from './fields.js'
 
 const NODE_CLASSES = ['LoRAStackRows', 'MultiLoRARows']
@@ -121,9 +121,10 @@ function nodeMenuItems(node) {
   if (!isConvertible(node.type)) return []
   return [{
     content: 'Convert to Multi-LoRA Loader',
-    callback: () => {
+    callback: async () => {
       try {
-        convertChain(app.canvas, node, (type) => window.LiteGraph.createNode(type))
+        const sized = window.LiteGraph.vueNodesMode ? sizeSettled : null
+        await convertChain(app.canvas, node, (type) => window.LiteGraph.createNode(type), sized)
       } catch (e) {
         if (!(e instanceof ChainError)) throw e
         toast('error', 'Cannot convert to Multi-LoRA Loader', e.message)

@@ -466,6 +466,50 @@ def test_the_example_saved_before_one_line_rows_loads_and_runs_unchanged(ui, bro
     P.screenshot(b, node, artifacts / "loader_rows_example.png")
 
 
+def test_a_chain_converts_undoes_and_converts_again_in_the_vue_node_renderer(ui, browser, web_server, artifacts):
+    """"Nodes 2.0" sizes the converted node from its DOM a few frames after it is added: the conversion is recorded
+    once it has, so that, queued between each, one Ctrl+Z gives back the chain and one Ctrl+Y the node, twice, and
+    the room made under it is the room it takes."""
+    b = browser
+    b.js("async (w) => { await app.loadGraphData(w) }", convert(stock(CHAIN, True), web_server.object_info()))
+    time.sleep(1.5)  # stored 512 ms after the last change, and restored by the reload below
+    web_server.post_json("/settings/Comfy.VueNodes.Enabled", True)
+    try:
+        b.call("reload", timeout=60_000, timeout_s=90)
+        P.wait_ready(b)
+        assert b.js("() => LiteGraph.vueNodesMode") is True
+        layout(b)
+        P.queue_from_ui(b)  # the first image grows Save Image (the frontend's own change), before the states below
+        x, y = b.js(EMPTY_POINT)
+        b.call("mouse", action="click", x=x, y=y)
+        P.settle(b, 1.0)
+        before, before_state = b.js(GRAPH), b.js(SERIALIZED)
+        depth = b.js(TRACKER, before_state)["undo"]
+        node_menu(b, nodes_of(b, STOCK)[1], "Convert to Multi-LoRA Loader")
+        b.wait_for("(t) => app.graph.nodes.some((n) => n.type === t)", CLASS, timeout_s=10)
+        b.wait_for(f"() => ({TRACKER})(null).undo === {depth + 1}", timeout_s=20)
+        (node,) = nodes_of(b, CLASS)
+        rects = {int(k): r for k, r in b.js(RECTS).items()}
+        mine = rects.pop(node)
+        assert [i for i, r in rects.items() if overlap(mine, r)] == [], "the converted node covers other nodes"
+        converted = b.js(SERIALIZED)
+        assert b.js(TRACKER, converted) == stable(depth + 1, 0), "one change, at the size the renderer gave"
+        for _ in range(2):
+            P.queue_from_ui(b)
+            assert b.js(TRACKER, converted) == stable(depth + 1, 0), "a queued run records no change of its own"
+            press_on_canvas(b, "Control+z", STOCK)
+            assert nodes_of(b, CLASS) == [] and same_graph(b, before), "one Ctrl+Z restores the three loaders"
+            assert b.js(TRACKER, before_state) == stable(depth, 1)
+            press_on_canvas(b, "Control+y", CLASS)
+            assert nodes_of(b, CLASS) == [node] and nodes_of(b, STOCK) == []
+            assert b.js(TRACKER, converted) == stable(depth + 1, 0), "one Ctrl+Y converts again"
+        b.call("screenshot", path=str(artifacts / "loader_converted_vue.png"))
+    finally:
+        web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
+        b.call("reload", timeout=60_000, timeout_s=90)
+        P.wait_ready(b)
+
+
 def test_no_console_errors_from_the_extension(ui, browser):
     ours = [m for m in browser.messages() if m["type"] in ("error", "pageerror")
             and ("/extensions/ComfyUI-MultiLoRA/" in m["url"] or "multilora" in m["text"].lower())]

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
 import { ChainError, POWER_LORA_LOADER, orderChain, planConversion, rowsOf } from '../chain.js'
-import { makeRoom } from '../convert.js'
+import { makeRoom, sizeSettled } from '../convert.js'
 import { promptText, tagName, toggleAllValue } from '../rows.js'
 
 const row = (lora, sm = 1, sc = sm, enabled = true) => ({ enabled, lora, strength_model: sm, strength_clip: sc })
@@ -90,3 +90,27 @@ for (const [name, nodes, expected] of ROOM_CASES) {
     assert.deepEqual(room(box('made', 100, 100, 380, 300), ...nodes), expected)
   })
 }
+
+test('sizeSettled: resolves once the size has held for the frames asked, or at the limit', async () => {
+  const queue = []
+  const nextFrame = (f) => queue.push(f)
+  const run = async (node, sizes, frames, limit) => {
+    let resolved = null
+    const p = sizeSettled(node, frames, limit, nextFrame).then(() => { resolved = count })
+    let count = 0
+    while (queue.length) {
+      if (count < sizes.length) node.size = sizes[count]
+      count++
+      queue.shift()()
+      await Promise.resolve()
+    }
+    await p
+    return resolved
+  }
+  // The renderer writes 260, then 330 twice over (its measure), then it holds: three frames after the last change.
+  assert.equal(await run({ size: [380, 260] }, [[380, 260], [380, 330], [380, 330], [380, 330], [380, 330]], 3, 50), 5)
+  assert.equal(await run({ size: [380, 260] }, [], 2, 50), 2) // never changes
+  let grow = 100
+  const growing = { get size() { return [380, grow++] }, set size(v) {} }
+  assert.equal(await run(growing, [], 3, 7), 7) // never holds: the limit
+})
