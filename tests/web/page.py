@@ -221,6 +221,22 @@ def add_node_from_search(b, query: str, at: tuple[float, float]) -> int:
     return new[0]
 
 
+def load_graph(b, workflow: dict, attempts: int = 3) -> None:
+    """Load `workflow`, again if the page then restores the workflow that an earlier page left open over it (the
+    frontend restores it from storage once it is ready, which may come after a load made right after the page
+    opened)."""
+    for _ in range(attempts):
+        b.js("async (w) => { await app.loadGraphData(w) }", workflow)
+        time.sleep(1.0)
+        if b.js("""(w) => {
+          const values = (nodes) => JSON.stringify(nodes.map((n) => [n.id, n.widgets_values ?? null])
+            .sort((a, b) => a[0] - b[0]))
+          return values(app.graph.serialize().nodes) === values(w.nodes)
+        }""", workflow):
+            return
+    raise AssertionError("the page kept replacing the loaded workflow with the one it restored")
+
+
 def state(b, node_id: int) -> dict:
     return b.js(ROWS_STATE, {"node": node_id})
 

@@ -83,7 +83,7 @@ def test_extension_loads(ui, browser, web_server):
 def test_old_chained_workflow_loads_and_queues(ui, browser, web_server):
     """The example workflow with its LoRAStack chain, loaded in the UI, queues the same prompt as the API
     example and gives the same image."""
-    browser.js("async (w) => { await app.loadGraphData(w) }", wf.small_ui(wf.load_ui(), "ui_chain"))
+    P.load_graph(browser, wf.small_ui(wf.load_ui(), "ui_chain"))
     P.settle(browser)
     output = P.prompt(browser, LOADER)["output"]
     api = wf.small_api("ui_chain")
