@@ -37,7 +37,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 HOST = "127.0.0.1"
 PACK_DIR_NAME = "ComfyUI-MultiLoRA"
@@ -50,6 +50,7 @@ STARTUP_TIMEOUT = 180.0
 HTTP_TIMEOUT = 30.0
 RUN_TIMEOUT = 300.0
 STOP_TIMEOUT = 20.0
+RESEND_FREE = 3.0  # `ComfyServer.free`: long enough for an unload the worker has begun to show
 
 
 # ComfyUI 0.28 imports torchaudio unconditionally on its startup path
@@ -98,6 +99,11 @@ def write_torchaudio_stub(shims: Path) -> Path:
             lines.insert(1, '__version__ = "0.0.0+host-test-stub"')
         (package / f"{module}.py").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return package
+
+
+# The cheapest prompt of stock nodes: what `ComfyServer.free` queues after POST /free (no model, no file).
+SENTINEL = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},
+            "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
 
 
 class ComfyError(RuntimeError):
@@ -587,13 +593,42 @@ class ComfyServer:
     def interrupt(self, prompt_id: str | None = None) -> None:
         self.post_json("/interrupt", {"prompt_id": prompt_id} if prompt_id else {})
 
-    def free(self, unload_models: bool = True, free_memory: bool = True, settle: float = 30.0) -> None:
-        """POST /free; the worker applies it after the current prompt.
+    def free(self, unload_models: bool = True, free_memory: bool = True, settle: float = 60.0,
+             until: Callable[[], bool] | None = None) -> None:
+        """POST /free, and return once ComfyUI's worker has applied it: with free_memory always, without it when
+        `until` (a check of the unload's effect, such as no model loaded) says so; then wait for an idle queue.
 
-        With free_memory the execution cache is reset, so the next prompt
-        re-executes every node.  Blocks until the queue is idle (bounded).
+        ComfyUI's worker (main.py, prompt_worker) reads /free's flags only between prompts: after ``q.get()`` has
+        returned and the prompt it returned has run. A prompt queued right after the POST can be taken first and
+        run on the old cache and models (a node's output served from that cache, its log lines missing). And the POST's wake-up is lost when it lands after the worker read the flags but before it waits
+        again: the flags then wait for the next prompt, or the worker's 1000 s timeout.
+
+        With free_memory, a sentinel prompt (`SENTINEL`: an 8×8 EmptyImage into PreviewImage) is queued and
+        waited for. The worker reads the flags before it takes the sentinel, or right after the sentinel's
+        task_done and before its next ``q.get()``, so every prompt queued after this returns runs on the emptied
+        cache and the unloaded models.
+
+        Without free_memory no sentinel is queued: under --cache-classic any prompt drops the cached outputs it
+        does not use, which an unload alone means to keep. With `until`, the POST is sent again every
+        `RESEND_FREE` seconds until `until()` is true (TimeoutError after `settle`), which wakes a worker that
+        missed the first one; call it only where there is something to unload, or the flag, left pending, unloads
+        the models of the next prompt instead. Without `until` nothing says when, or whether, the unload applied.
         """
-        self.post_json("/free", {"unload_models": unload_models, "free_memory": free_memory})
+        flags = {"unload_models": unload_models, "free_memory": free_memory}
+        self.post_json("/free", flags)
+        if free_memory:
+            self.wait(self.post_prompt(SENTINEL), timeout=settle)
+        elif until is not None:
+            sent = time.monotonic()
+            deadline = sent + settle
+            while not until():
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(f"ComfyUI did not apply POST /free {flags} within {settle:.0f}s")
+                if now - sent >= RESEND_FREE:
+                    self.post_json("/free", flags)
+                    sent = now
+                time.sleep(0.1)
         self.wait_idle(timeout=settle)
 
     def queue(self) -> dict:

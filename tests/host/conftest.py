@@ -80,7 +80,8 @@ def synth_assets(comfy_root, comfy_python) -> dict:
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory, synth_assets) -> Path:
-    """A models/ tree (checkpoints, loras, diffusion_models, vae, clip) linking the synthetic files.
+    """A models/ tree (checkpoints, loras, diffusion_models, vae, clip) holding the synthetic files: a link to the
+    checkpoint, copies of the LoRAs (`own_copy`).
 
     File names: synth.CHECKPOINT_NAME in checkpoints/, synth.LORA_NAMES[kind] in loras/.
     """
@@ -90,7 +91,7 @@ def models_dir(tmp_path_factory, synth_assets) -> Path:
     (root / "checkpoints" / synth.CHECKPOINT_NAME).symlink_to(synth_assets["checkpoint"])
     for kind, path in synth_assets["loras"].items():
         # Real files, not symlinks: the pack refuses LoRA names that resolve outside the loras folders.
-        place(path, root / "loras" / synth.LORA_NAMES[kind])
+        own_copy(path, root / "loras" / synth.LORA_NAMES[kind])
     return root
 
 
@@ -114,15 +115,29 @@ def unet_of_checkpoint(checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def unet_file(models_dir, synth_assets) -> Path:
-    """`UNET_NAME` in diffusion_models: the synthetic checkpoint's UNet (`unet_of_checkpoint`)."""
+    """`UNET_NAME` in diffusion_models: a copy of the synthetic checkpoint's UNet (`unet_of_checkpoint`), DistillFuse
+    telling a changed file by its status (`own_copy`)."""
     target = models_dir / "diffusion_models" / UNET_NAME
     if not target.exists():
-        place(unet_of_checkpoint(synth_assets["checkpoint"]), target)
+        own_copy(unet_of_checkpoint(synth_assets["checkpoint"]), target)
     return target
 
 
+def own_copy(src, dst) -> None:
+    """Copy `src` to `dst`: a file with an inode of this session's own, for a file that the pack's nodes name. A hard
+    link shares the inode, and with it the status-change time (ctime), with every other link: the synthetic files'
+    cache, the models folders of other test sessions on this machine, and other names in this one. Each link made
+    or removed there (pytest's clean-up of old temporary folders too) sets a new ctime, which the pack reads as the
+    file replaced (`bridge.file_state`, the engine cache's file identity): ComfyUI runs the nodes that name it again
+    and the engine reads it again, within a test that counts reads or expects a cached result."""
+    import shutil
+    tmp = f"{dst}.partial"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
 def place(src, dst) -> None:
-    """Hard-link `src` to `dst` (a copy across file systems)."""
+    """Hard-link `src` to `dst` (a copy across file systems): for a file that only stock nodes name (`own_copy`)."""
     import shutil
     try:
         os.link(src, dst)

@@ -49,7 +49,7 @@ def unload_after(server):
     """The module's patched, merged and saved models unloaded as it ends, so that the session's next module starts
     from the base weights."""
     yield
-    server.post_json("/free", {"unload_models": True, "free_memory": True})
+    server.free()
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_checkpoint_save_of_the_patches_samples_the_runtime_image(server, models
     finally:
         target.unlink(missing_ok=True)
         shutil.rmtree(out_dir, ignore_errors=True)
-        server.post_json("/free", {"unload_models": True, "free_memory": True})
+        server.free()  # the saved checkpoint's model goes before the prompts below
     fused = one(server, stock(STACK))
     kohya = STACK[:1]  # the bypass chain reads one kohya file as the fused one does (test_multilora.py)
     floors = {"stock fused vs bypass, one kohya file, model and clip": mad(one(server, stock(kohya)),

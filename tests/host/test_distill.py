@@ -14,6 +14,7 @@ import os
 import struct
 import time
 import urllib.request
+import uuid
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from bench import soak
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
-from .conftest import UNET_NAME, place
+from .conftest import UNET_NAME, own_copy, place
 from .test_multilora import mad, one
 from .workflows import loader_nodes, model_graph
 
@@ -93,17 +94,38 @@ def test_never_twice(server, images):
     assert np.array_equal(one(server, distill()), images["ours"])
 
 
-def test_what_is_not_fused_and_a_lora_fused_twice_are_logged(server, images):
+def fresh_copy(models_dir, name: str) -> str:
+    """A copy of the LoRA `name` in the loras folder under a name of its own, with one text-encoder tensor negated:
+    a file and a content (fingerprint) that no prompt of this server has seen, so that ComfyUI runs the nodes that
+    name it, DistillFuse loads the base and fuses, and the pack's once-per-model warnings are new, whatever ran
+    before. DistillFuse fuses the diffusion model alone, and a model-only stack takes no text-encoder layer: the
+    images are those of `name`."""
+    loras = models_dir / "loras"
+    with safe_open(str(loras / name), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = dict(f.metadata() or {})
+    key = next(k for k in sorted(tensors) if k.startswith("lora_te") and k.endswith("lora_up.weight"))
+    tensors[key] = -tensors[key]
+    fresh = f"distill_fresh_{uuid.uuid4().hex[:12]}.safetensors"
+    save_file(tensors, str(loras / fresh), metadata=meta)
+    return fresh
+
+
+def test_what_is_not_fused_and_a_lora_fused_twice_are_logged(server, images, models_dir):
     """The kohya LoRA's text-encoder keys are not fused (DistillFuse loads the diffusion model alone): a warning
     says so, as stock loaders log the keys they leave. The same LoRA put on the fused model by a stack is applied
-    a second time: a warning says that too."""
-    server.free()  # DistillFuse runs again
-    log_at = server.log_offset()
-    nodes = {"20": distill()["20"], **loader_nodes([(LORA, 0.5)], ["20", 0])}
-    twice = one(server, model_graph(nodes, ["ml", 0], prefix="distill"))
-    text = server.log_text(since=log_at)
-    assert f"DistillFuse {LORA}: " in text and "text-encoder layers are not fused" in text, text[-2000:]
-    assert f"{LORA} is already fused into this model (DistillFuse, strength {STRENGTH}); the stack applies it " \
+    a second time: a warning says that too. A fresh copy of the file makes both run and log, whatever ComfyUI
+    has cached; the log is read from before the prompt is queued."""
+    lora = fresh_copy(models_dir, LORA)
+    try:
+        nodes = {"20": distill(lora=lora)["20"], **loader_nodes([(lora, 0.5)], ["20", 0])}
+        log_at = server.log_offset()
+        twice = one(server, model_graph(nodes, ["ml", 0], prefix="distill"))
+        text = server.log_text(since=log_at)
+    finally:
+        (models_dir / "loras" / lora).unlink()
+    assert f"DistillFuse {lora}: " in text and "text-encoder layers are not fused" in text, text[-2000:]
+    assert f"{lora} is already fused into this model (DistillFuse, strength {STRENGTH}); the stack applies it " \
            "again, at strength 0.5" in text, text[-2000:]
     assert mad(twice, images["ours"]) > 1.0
 
@@ -114,8 +136,8 @@ def test_a_lora_file_replaced_on_disk_is_fused_when_the_prompt_is_queued_again(s
     loras = models_dir / "loras"
     other = synth.LORA_NAMES["peft"]
     replaced, reference = loras / "distill_replaced.safetensors", loras / "distill_reference.safetensors"
-    place(loras / LORA, replaced)
-    place(loras / other, reference)  # the content `replaced` gets
+    own_copy(loras / LORA, replaced)  # a link would give the kohya file a new ctime: replaced, to the pack
+    own_copy(loras / other, reference)  # the content `replaced` gets
     assert np.array_equal(one(server, distill(lora=replaced.name)), images["ours"])
     old = os.stat(replaced)
     (loras / "replacing.tmp").write_bytes((loras / other).read_bytes())
@@ -332,7 +354,7 @@ def long_lora(models_dir, comfy_root, comfy_python):
     dst = models_dir / "loras" / LONG_LORA
     if not dst.exists():
         manifest = synth.shape_manifest(comfy_root=comfy_root, python=comfy_python)
-        place(synth.cached_lora("locon", seed=404, rank=8, targets=("attn", "ff", "proj", "conv"),
+        own_copy(synth.cached_lora("locon", seed=404, rank=8, targets=("attn", "ff", "proj", "conv"),
                                 include_clip=False, manifest=manifest), dst)
     return LONG_LORA
 

@@ -16,7 +16,7 @@ from bench import soak
 from tools.comfy_server import ComfyInterrupted
 
 from . import workflows as wf
-from .conftest import place
+from .conftest import own_copy
 
 pytestmark = pytest.mark.host
 
@@ -30,7 +30,7 @@ def many(models_dir, comfy_root, comfy_python):
     for lo in loras:
         dst = models_dir / "loras" / lo.name
         if not dst.exists():
-            place(lo.path, dst)
+            own_copy(lo.path, dst)
     return [lo.name for lo in loras]
 
 

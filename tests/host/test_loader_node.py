@@ -14,7 +14,7 @@ from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
 from . import workflows as wf
-from .conftest import place
+from .conftest import own_copy
 from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, finished, fp32_text_encoder_server,
                             graph, multi_rows, one, rows_inputs)
 
@@ -90,7 +90,7 @@ def sixteen(server, models_dir, comfy_python):
         name = f"extra/synth_extra_{i:02d}.safetensors"
         (models_dir / "loras" / "extra").mkdir(exist_ok=True)
         if not (models_dir / "loras" / name).exists():
-            place(path, models_dir / "loras" / name)
+            own_copy(path, models_dir / "loras" / name)
         names.append(name)
     return names
 
@@ -148,7 +148,7 @@ def twin_styles(models_dir):
         (models_dir / "loras" / sub).mkdir(exist_ok=True)
         target = models_dir / "loras" / sub / "twin.safetensors"
         if not target.exists():
-            place(models_dir / "loras" / STYLE, target)
+            own_copy(models_dir / "loras" / STYLE, target)
     return ["a/twin.safetensors", "b/twin.safetensors"]
 
 

@@ -100,6 +100,8 @@ def test_stock_lora_chain_changes_image(server, record_property):
     assert effect > max(5.0, 20 * floor), f"LoRA effect too small: {effect} vs floor {floor}"
     assert effect < 100.0, f"LoRA effect looks saturated: {effect}"
 
+    # base_a has no LoraLoader, so under --cache-classic the LoraLoaders of the two prompts after it run (and log
+    # the keys they leave) whatever ran before this test.
     log = server.log_text(since=log_start)
     not_loaded = [line for line in log.splitlines() if "lora key not loaded" in line or "NOT LOADED" in line]
     assert not not_loaded, "ComfyUI did not match some LoRA keys:\n" + "\n".join(not_loaded[:20])

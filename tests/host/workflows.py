@@ -147,3 +147,10 @@ def batched(prompt: dict, n: int) -> dict:
     p["8"]["inputs"]["latent_image"] = ["batch_seed", 0]
     return p
 
+
+def another_stack(prompt: dict) -> dict:
+    """`prompt`, an example workflow on the synthetic files, without its detail LoRA. Run just before `prompt`, it
+    makes ComfyUI run `prompt`'s loader again rather than serve its output from the cache (--cache-classic keeps
+    the outputs of the last prompt only): the pack's cache then holds the stack's adapters, and the model's bank
+    its slots, whatever the tests before left."""
+    return drop_entry(prompt, NAMES["detail.safetensors"])

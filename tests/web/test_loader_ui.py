@@ -22,7 +22,8 @@ from . import page as P
 from . import workflows as wf
 from .conftest import META_LORA, PARTIAL_LORA
 
-pytestmark = pytest.mark.web
+# One scenario in file order: each test builds on the page the tests before it left (docs/testing.md, test order).
+pytestmark = [pytest.mark.web, pytest.mark.random_order(disabled=True)]
 
 CLASS = "MultiLoRARows"
 STOCK = "LoraLoader"

@@ -18,7 +18,8 @@ from . import page as P
 from . import workflows as wf
 from .test_library import png
 
-pytestmark = pytest.mark.web
+# One scenario in file order: each test builds on the page the tests before it left (docs/testing.md, test order).
+pytestmark = [pytest.mark.web, pytest.mark.random_order(disabled=True)]
 
 TOP = "picker_test"
 ALICE = f"{TOP}/flux/characters/alice_v2.safetensors"

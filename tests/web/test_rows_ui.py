@@ -21,7 +21,8 @@ from . import page as P
 from . import workflows as wf
 from .conftest import META_LORA, PARTIAL_LORA
 
-pytestmark = pytest.mark.web
+# One scenario in file order: each test builds on the page the tests before it left (docs/testing.md, test order).
+pytestmark = [pytest.mark.web, pytest.mark.random_order(disabled=True)]
 
 LOADER = 5  # the MultiLoRALoader of examples/workflows/multilora.json
 # Where the example's nodes go on the canvas (graph coordinates), by type; the rows node goes at (40, 40).
