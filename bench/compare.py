@@ -78,35 +78,17 @@ RANK = 32
 # -- ComfyUI in-process ------------------------------------------------------------------------------
 
 from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
-from tools.comfy_inprocess import build_flux, find_comfy, import_bridge, import_comfy, import_engine
+from tools.comfy_inprocess import (build_flux, find_comfy, flux_lora_targets, flux_lora_tensors, import_bridge,
+                                   import_comfy, import_engine)
 
 # -- model and LoRAs ---------------------------------------------------------------------------------
-
-def lora_targets(comfy, torch, root) -> list[tuple[str, int, int]]:
-    """(kohya prefix, in, out) for every Linear of every block, checked against ComfyUI's key map."""
-    keymap = comfy.lora.model_lora_keys_unet(root, {})
-    out = []
-    for name, m in root.named_modules():
-        if isinstance(m, torch.nn.Linear) and (".double_blocks." in name or ".single_blocks." in name):
-            prefix = "lora_unet_" + name[len("diffusion_model."):].replace(".", "_")
-            if keymap.get(prefix) != name + ".weight":
-                raise RuntimeError(f"{prefix} is not in comfy.lora.model_lora_keys_unet's map as {name}.weight")
-            out.append((prefix, m.in_features, m.out_features))
-    return out
-
 
 def write_loras(torch, targets, n: int, rank: int, folder: str) -> list[str]:
     from safetensors.torch import save_file
     paths = []
     for i in range(n):
-        g = torch.Generator().manual_seed(1000 + i)
-        t = {}
-        for prefix, fin, fout in targets:
-            t[prefix + ".lora_down.weight"] = (torch.randn(rank, fin, generator=g) * 0.02).to(torch.bfloat16)
-            t[prefix + ".lora_up.weight"] = (torch.randn(fout, rank, generator=g) * 0.02).to(torch.bfloat16)
-            t[prefix + ".alpha"] = torch.tensor(float(rank))
         path = os.path.join(folder, f"flux_lora_{i}.safetensors")
-        save_file(t, path)
+        save_file(flux_lora_tensors(torch, targets, 1000 + i, rank), path)
         paths.append(path)
     return paths
 
@@ -225,7 +207,7 @@ def main() -> int:
     base = build_flux(comfy, torch, args.hidden, depth, single, dtype, device)
     root = base.model
     n_params = sum(p.numel() for p in root.parameters())
-    targets = lora_targets(comfy, torch, root)
+    targets = flux_lora_targets(comfy, torch, root)
     print(f"ComfyUI {comfy_version} at {root_dir}; model: comfy.ldm.flux.model.Flux, hidden {args.hidden}, "
           f"{args.hidden // 128} heads, {depth} double + {single} single blocks, {n_params / 1e9:.2f} B params, "
           f"{args.dtype} on {device}; step: {tokens} image + {txt_tokens} text tokens")

@@ -170,3 +170,28 @@ def build_flux(comfy, torch, hidden: int, depth: int, single: int, dtype, device
     """ComfyUI's Flux (comfy.model_base.Flux around comfy.ldm.flux.model.Flux) of this size."""
     return build_model(comfy, torch, flux_config(hidden, depth, single), dtype=dtype, device=device,
                        expect="Flux")
+
+
+def flux_lora_targets(comfy, torch, root) -> list[tuple[str, int, int]]:
+    """(kohya prefix, in, out) of every Linear of every block of a Flux `root` (comfy.model_base.Flux), each checked
+    against ComfyUI's key map."""
+    keymap = comfy.lora.model_lora_keys_unet(root, {})
+    out = []
+    for name, m in root.named_modules():
+        if isinstance(m, torch.nn.Linear) and (".double_blocks." in name or ".single_blocks." in name):
+            prefix = "lora_unet_" + name[len("diffusion_model."):].replace(".", "_")
+            if keymap.get(prefix) != name + ".weight":
+                raise RuntimeError(f"{prefix} is not in comfy.lora.model_lora_keys_unet's map as {name}.weight")
+            out.append((prefix, m.in_features, m.out_features))
+    return out
+
+
+def flux_lora_tensors(torch, targets, seed: int, rank: int) -> dict:
+    """A kohya LoRA's tensors on `targets` (`flux_lora_targets`): bf16 factors drawn from `seed`, alpha = rank."""
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for prefix, fin, fout in targets:
+        t[prefix + ".lora_down.weight"] = (torch.randn(rank, fin, generator=g) * 0.02).to(torch.bfloat16)
+        t[prefix + ".lora_up.weight"] = (torch.randn(fout, rank, generator=g) * 0.02).to(torch.bfloat16)
+        t[prefix + ".alpha"] = torch.tensor(float(rank))
+    return t

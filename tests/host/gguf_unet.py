@@ -3,52 +3,28 @@
 Run with a python that has the `gguf` package (ComfyUI-GGUF's own requirement, so ComfyUI's python
 wherever that pack is installed):
 
-    python gguf_unet.py UNET.safetensors OUT.gguf [--arch sd1]
+    python gguf_unet.py UNET.safetensors OUT.gguf [--arch sd1] [--qtype Q8_0|Q4_K]
 
-Quantization, as GGUF UNets on the model hubs have it: every 2-D weight whose rows are whole Q8_0
-blocks (32 values) and that holds more than 1024 values is stored as Q8_0, so that the loader
-dequantizes it in each forward; 1-D tensors as F32; everything else (conv kernels) as F16.
+Quantization, as GGUF UNets on the model hubs have it (tools/quant_files.py, `write_gguf`): every 2-D
+weight whose rows are whole blocks and that holds more than 1024 values is stored quantized (Q8_0; or Q4_K,
+with Q5_0 where a row is not whole 256-value super-blocks), so that the loader dequantizes it in each
+forward; 1-D tensors as F32; everything else (conv kernels) as F16.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import sys
+from pathlib import Path
 
-import gguf
-import numpy as np
-from safetensors import safe_open
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-Q = gguf.GGMLQuantizationType
-BLOCK = 32
-SMALL = 1024
+from tools.quant_files import write_gguf  # noqa: E402  (after the sys.path line)
 
 
-def storage(array: np.ndarray) -> tuple[np.ndarray, Q]:
-    if array.ndim == 2 and array.shape[-1] % BLOCK == 0 and array.size > SMALL:
-        return array.astype(np.float32), Q.Q8_0
-    if array.ndim == 1:
-        return array.astype(np.float32), Q.F32
-    return array.astype(np.float16), Q.F16
-
-
-def write(src: str, dst: str, arch: str = "sd1") -> dict[str, int]:
+def write(src: str, dst: str, arch: str = "sd1", qtype: str = "Q8_0") -> dict[str, int]:
     """Write `src`'s tensors to `dst` (through a temporary file); the count of tensors per storage type."""
-    writer = gguf.GGUFWriter(path=None, arch=arch)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    counts: dict[str, int] = {}
-    with safe_open(src, "np") as f:
-        for key in f.keys():
-            array, qtype = storage(f.get_tensor(key))
-            writer.add_tensor(key, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-            counts[qtype.name] = counts.get(qtype.name, 0) + 1
-    tmp = dst + ".partial"
-    writer.write_header_to_file(path=tmp)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, dst)
-    return counts
+    return write_gguf(src, dst, qtype, arch)
 
 
 def main() -> None:
@@ -56,8 +32,9 @@ def main() -> None:
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.add_argument("--arch", default="sd1")
+    parser.add_argument("--qtype", default="Q8_0", choices=["Q8_0", "Q4_K"])
     args = parser.parse_args()
-    print(write(args.src, args.dst, args.arch))
+    print(write(args.src, args.dst, args.arch, args.qtype))
 
 
 if __name__ == "__main__":
