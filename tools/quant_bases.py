@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,7 +243,7 @@ class Host:
         elif not asyncio.run(comfy_nodes.load_custom_node(str(path))):
             self.gguf_missing = f"ComfyUI-GGUF at {path} does not import here (is `gguf` in ComfyUI's python?)"
         else:
-            self.gguf_loader = sys.modules[str(path).replace(".", "_x_")].NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]
+            self.gguf_loader = comfy_nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]  # registered by the load
 
     def folder(self, sub: str) -> Path:
         return self.workdir / sub
