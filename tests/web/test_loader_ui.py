@@ -452,7 +452,7 @@ def test_the_example_saved_before_one_line_rows_loads_and_runs_unchanged(ui, bro
     the API twin's, and its image the twin's, bit for bit."""
     b = browser
     saved, api = wf.rows_example("ui_rows_example")
-    b.js("async (w) => { await app.loadGraphData(w) }", saved)
+    P.load_graph(b, saved)  # the reload of the tests before may restore their workflow over it
     P.settle(b)
     node = nodes_of(b, CLASS)[0]
     s = P.state(b, node)
