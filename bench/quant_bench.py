@@ -36,7 +36,6 @@ import ctypes
 import gc
 import logging
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
+from save_memory import reset_peak, vm  # noqa: E402
 from tools import quant_bases as qb  # noqa: E402
 from tools import synth  # noqa: E402
 from tools.comfy_inprocess import find_comfy, import_engine  # noqa: E402
@@ -55,21 +55,6 @@ from tools.comfy_inprocess import find_comfy, import_engine  # noqa: E402
 PATHS = ("ours", "stock", "bypass")
 STRENGTHS = (0.8, 0.6, -0.5, 0.7)
 MOVED = 0.3  # the last LoRA's strength in the re-run
-
-
-def vm(field: str) -> int:
-    """This process's /proc status field in bytes."""
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def libc(call: str, *args) -> None:
@@ -207,8 +192,8 @@ class Bench:
         host.sample(spec, base, steps, base_marks)  # the base's steps, next to this cell's
         gc.collect()
         libc("malloc_trim", 0)
-        peaked = reset_peak()
-        rss0 = vm("VmRSS")
+        peaked = reset_peak(os.getpid())
+        rss0 = vm(os.getpid(), "VmRSS")
         marks: list[float] = []
         chain = host.chain(path, k)
         models = []  # both runs' models stay referenced, as ComfyUI's cache holds the first while the second loads
@@ -219,7 +204,7 @@ class Bench:
 
         first, setup, img = self.timed(spec, lambda: build(stack_of(names, k)), marks)
         rerun, resetup, _ = self.timed(spec, lambda: build(stack_of(names, k, moved=True)), marks)
-        peak = (vm("VmHWM") - rss0) / 2**20 if peaked else float("nan")
+        peak = (vm(os.getpid()) - rss0) / 2**20 if peaked else float("nan")
         del models, chain
         host.unload()
         cell_steps = steps_of(marks[:steps]) + steps_of(marks[steps:])

@@ -600,8 +600,9 @@ class ComfyServer:
 
         ComfyUI's worker (main.py, prompt_worker) reads /free's flags only between prompts: after ``q.get()`` has
         returned and the prompt it returned has run. A prompt queued right after the POST can be taken first and
-        run on the old cache and models (a node's output served from that cache, its log lines missing). And the POST's wake-up is lost when it lands after the worker read the flags but before it waits
-        again: the flags then wait for the next prompt, or the worker's 1000 s timeout.
+        run on the old cache and models (a node's output served from that cache, its log lines missing). And the
+        POST's wake-up is lost when it lands after the worker read the flags but before it waits again: the flags
+        then wait for the next prompt, or the worker's 1000 s timeout.
 
         With free_memory, a sentinel prompt (`SENTINEL`: an 8×8 EmptyImage into PreviewImage) is queued and
         waited for. The worker reads the flags before it takes the sentinel, or right after the sentinel's
