@@ -472,13 +472,12 @@ def test_a_chain_converts_undoes_and_converts_again_in_the_vue_node_renderer(ui,
     once it has, so that, queued between each, one Ctrl+Z gives back the chain and one Ctrl+Y the node, twice, and
     the room made under it is the room it takes."""
     b = browser
-    b.js("async (w) => { await app.loadGraphData(w) }", convert(stock(CHAIN, True), web_server.object_info()))
-    time.sleep(1.5)  # stored 512 ms after the last change, and restored by the reload below
     web_server.post_json("/settings/Comfy.VueNodes.Enabled", True)
     try:
         b.call("reload", timeout=60_000, timeout_s=90)
         P.wait_ready(b)
         assert b.js("() => LiteGraph.vueNodesMode") is True
+        P.load_graph(b, convert(stock(CHAIN, True), web_server.object_info()))  # the reload may restore another
         layout(b)
         P.queue_from_ui(b)  # the first image grows Save Image (the frontend's own change), before the states below
         x, y = b.js(EMPTY_POINT)
