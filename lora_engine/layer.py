@@ -70,6 +70,7 @@ class LayerSlots:
         self.ranks: dict[int, int] = {}  # low-rank slot -> the rows its adapter fills (the rest is padding)
         self.dead: set[int] = set()  # dense or bias slots whose strength is 0
         self.idle = True  # no live slot at all
+        self.masked = False  # a live slot has a mask (`regions`): the rows take a factor per token
         self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
         _HOOKED.add(self)
 
@@ -120,9 +121,13 @@ class LayerSlots:
             columns = None if rows is None else table.column_scale(rows)
         else:
             scale, columns = self.weighted_scale()
+        tokens = self._tokens(x, out) if self.masked else None
         if rows is None:
-            return runtime.apply(self, module, x, out, scale, dead=self.dead)
-        return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead)
+            return runtime.apply(self, module, x, out, scale, dead=self.dead, tokens=tokens)
+        return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead, tokens=tokens)
+
+    def _tokens(self, x, out) -> torch.Tensor:
+        return self.table.masks.factor(self.name, self.owner.model_name, self.geometry, x, out)
 
     def _mixed_items(self, rows: int) -> None:
         """Per-item strengths are taken row by row from an input's first axis, which a layer such as a mixture of
@@ -141,10 +146,11 @@ class LayerSlots:
         newcomer of a rank the slots hold recompiles it; nor does it read the eager path's caches, whose checks
         would be guarded too."""
         scale = self.table.scale if self.factor is None else self.table.scale * self.factor
+        tokens = self._tokens(x, out) if self.table.masks.regions else None
         if self.a is None:
-            return runtime.apply(self, module, x, out, scale, stacked=self.stacked)
+            return runtime.apply(self, module, x, out, scale, stacked=self.stacked, tokens=tokens)
         return runtime.apply(self, module, x, out, scale, self.a, self.b, scale.repeat_interleave(self.rank, -1),
-                             stacked=self.stacked)
+                             stacked=self.stacked, tokens=tokens)
 
     def weighted_scale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The strengths times this layer's weights, and those expanded to its rows' columns: computed at the
@@ -164,7 +170,8 @@ class LayerSlots:
         extra = set(self.dense) | set(self.bias)
         self.dead = {s for s in extra if not live[s]}
         self.idle = not lr and not (extra - self.dead)
-        self.rows = Rows.of(self, lr)
+        self.masked = any(s in table.masks.regions for s in (*lr, *(extra - self.dead)))
+        self.rows = Rows.of(self, lr, packable=not self.masked)
 
     def stack(self, device: torch.device | None = None) -> None:
         """The dense and bias slots as the compiled path reads them: (deltas, their slots, biases, their slots), the
@@ -305,12 +312,14 @@ class Rows:
     SAVING = 0.75  # pack when the live rows are at most this share of the rows the slot buffers compute
 
     @classmethod
-    def of(cls, layer: LayerSlots, live: list[int]) -> Rows | None:
+    def of(cls, layer: LayerSlots, live: list[int], packable: bool = True) -> Rows | None:
+        """The rows of the `live` slots; views of the buffers where `packable` is False (a masked layer scales
+        each slot's R columns at once, `runtime`)."""
         if not live:
             return None
         rank, dev, hi = layer.rank, layer.a.device, live[-1] + 1
         key = tuple((s, layer.ranks.get(s, rank)) for s in live)
-        if sum(r for _, r in key) > cls.SAVING * hi * rank:
+        if not packable or sum(r for _, r in key) > cls.SAVING * hi * rank:
             return cls(tuple((s, rank) for s in range(hi)), layer.a[:hi * rank], layer.b[:, :hi * rank], False)
         index = torch.cat([torch.arange(s * rank, s * rank + r) for s, r in key]).to(dev)
         slot_of = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in key]).to(dev)

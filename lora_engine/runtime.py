@@ -18,6 +18,9 @@ of its weight and bias as s_i · (n(x) · Δw_i + Δb_i), n(x) recomputed withou
 the affine part. Only the layer's output is used, never its weight, so fp8,
 GGUF, offloaded and manually cast layers work unchanged.
 
+With masked entries (`regions`), the rows also take a factor per token, t: [batch, tokens…, N] (a conv's
+[batch, N, *spatial]), broadcast over each slot's R columns of h, h ← h ⊙ t, and over a dense or bias slot's output.
+
 A layer may take more inputs than the slots were made for: the host widened its
 weight after binding (ComfyUI's LoraLoader widens Flux's img_in for a control
 LoRA). The adapters then read the first inputs, the ones they were made for:
@@ -138,33 +141,61 @@ def _add_delta(module_op, x, geom, out, delta, s):
     return _inplace_add(out, _dense(module_op, x, geom, delta, s).to(out.dtype))
 
 
-def _low_rank_linear(x, a, b, columns, out):
+def _per_token(h, tokens, rank: int, axis: int):
+    """h with each slot's `rank` columns (on `axis`: -1, or 1 for a conv) times that slot's factor per token."""
+    n = h.shape[axis] // rank
+    if axis == -1:
+        parts, t = h.unflatten(-1, (n, rank)), tokens[..., :n].unsqueeze(-1)
+    else:
+        parts, t = h.unflatten(1, (n, rank)), tokens[:, :n].unsqueeze(2)
+    y = parts * t if torch.is_grad_enabled() else parts.mul_(t)
+    return y.flatten(-2) if axis == -1 else y.flatten(1, 2)
+
+
+def _token_of(tokens, slot, geom):
+    """A dense or bias slot's factor per token, shaped to broadcast over the layer's output; None: 1."""
+    if tokens is None:
+        return None
+    return tokens[..., slot:slot + 1] if geom.channel_last else tokens[:, slot:slot + 1]
+
+
+def _times(s, t):
+    return s if t is None else s * t
+
+
+def _low_rank_linear(x, a, b, columns, out, tokens=None, rank=0):
     h = F.linear(x, a)
     if columns.dim() == 1:
         h = h * columns
     else:
         s = item_scale(columns, x.shape[0])
         h = h * s.reshape(s.shape[0], *(1,) * (h.dim() - 2), -1)
+    if tokens is not None:
+        h = _per_token(h, tokens, rank, -1)
     return _add(out, h, b)
 
 
-def _low_rank_conv(x, geom, a, b, columns, out):
+def _low_rank_conv(x, geom, a, b, columns, out, tokens=None, rank=0):
     conv = _CONV[geom.conv_dims]
     h = conv(x, a, None, geom.stride, geom.padding, geom.dilation)
     spatial = (1,) * (h.dim() - 2)
     s = columns.reshape(1, -1, *spatial) if columns.dim() == 1 else \
         item_scale(columns, x.shape[0]).reshape(x.shape[0], -1, *spatial)
-    y = conv(h * s, b.reshape(*b.shape, *spatial))
+    h = h * s
+    if tokens is not None:
+        h = _per_token(h, tokens, rank, 1)
+    y = conv(h, b.reshape(*b.shape, *spatial))
     return _inplace_add(out, y)
 
 
 def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, a: torch.Tensor | None = None,
           b: torch.Tensor | None = None, columns: torch.Tensor | None = None, dead=(),
-          stacked: tuple | None = None) -> torch.Tensor:
+          stacked: tuple | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """`out` plus the low-rank rows `a` [Σr, in, *k] and `b` [out, Σr] scaled by `columns` (the strengths, [N] or
     [batch, N], expanded to those rows; a row of a slot at strength 0 adds exact zeros), plus every dense and bias
     slot of `layer` (its `LayerSlots`) that is not in `dead`; or, given `stacked` (the compiled path), the dense
-    and bias slots it lists."""
+    and bias slots it lists. `tokens`: the factor per token of each slot (masked entries), with `a` and `b` then
+    holding the layer's rank R for each slot in order."""
     geom = layer.geometry
     xd = x if x.dtype == layer.dtype else x.to(layer.dtype)
     if not geom.norm:
@@ -173,36 +204,40 @@ def apply(layer, module, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
             xd = xd.narrow(axis, 0, geom.in_features)
     if a is not None:
         if geom.conv_dims == 0:
-            out = _low_rank_linear(xd, a, b, columns, out)
+            out = _low_rank_linear(xd, a, b, columns, out, tokens, layer.rank)
         else:
-            out = _low_rank_conv(xd, geom, a, b, columns, out)
+            out = _low_rank_conv(xd, geom, a, b, columns, out, tokens, layer.rank)
     if stacked is not None:
-        return _stacked(module, xd, geom, out, scale, stacked)
+        return _stacked(module, xd, geom, out, scale, stacked, tokens)
     for slot, delta in layer.dense.items():
         if slot in dead:
             continue
-        out = _add_delta(module, xd, geom, out, delta, _slot_scale(scale, slot, x.shape[0], out.dim()))
+        s = _times(_slot_scale(scale, slot, x.shape[0], out.dim()), _token_of(tokens, slot, geom))
+        out = _add_delta(module, xd, geom, out, delta, s)
     for slot, bias in layer.bias.items():
         if slot in dead:
             continue
-        s = _slot_scale(scale, slot, x.shape[0], out.dim())
+        s = _times(_slot_scale(scale, slot, x.shape[0], out.dim()), _token_of(tokens, slot, geom))
         out = _inplace_add(out, (bias.reshape(_channels(geom, out)) * s).to(out.dtype))
     return out
 
 
-def _stacked(module, xd, geom, out, scale, stacked):
+def _stacked(module, xd, geom, out, scale, stacked, tokens=None):
     """The dense and bias slots as (deltas, their slots, biases, their slots): the deltas in slot order and the
     slots in a tensor that gathers their strengths, so that a compiled graph depends on how many there are, not on
     which slots hold them."""
     deltas, dense_slots, biases, bias_slots = stacked
-    batch = xd.shape[0]
+    batch, axis = xd.shape[0], -1 if geom.channel_last else 1
     if deltas:
         s = scale.index_select(-1, dense_slots)
+        t = None if tokens is None else tokens.index_select(axis, dense_slots)
         for i, delta in enumerate(deltas):
-            out = _add_delta(module, xd, geom, out, delta, _slot_scale(s, i, batch, out.dim()))
+            out = _add_delta(module, xd, geom, out, delta, _times(_slot_scale(s, i, batch, out.dim()),
+                                                                  _token_of(t, i, geom)))
     if biases:
         s = scale.index_select(-1, bias_slots)
+        t = None if tokens is None else tokens.index_select(axis, bias_slots)
         for i, bias in enumerate(biases):
-            y = bias.reshape(_channels(geom, out)) * _slot_scale(s, i, batch, out.dim())
+            y = bias.reshape(_channels(geom, out)) * _times(_slot_scale(s, i, batch, out.dim()), _token_of(t, i, geom))
             out = _inplace_add(out, y.to(out.dtype))
     return out

@@ -37,6 +37,7 @@ from .binding import Binding, bind
 from .errors import SlotLimitError
 from .keymap import KeyMap
 from .layer import LayerSlots
+from .regions import Tokens
 from .report import MatchReport
 from .strengths import Entry, Owner, Request, Strength, Strengths
 
@@ -293,6 +294,18 @@ class SlotBank:
             self.strengths.set_strength(slot, value, names, self.layers, adapter.path)
             self._tell_layers()
 
+    def set_tokens(self, tokens: Tokens | None) -> None:
+        """Where the rows of the model calls that follow lie (`regions.Tokens`: the latent's grid, and which rows of a
+        layer's input are image tokens), which masked entries need; None: not known (a masked entry then refuses
+        to run). Set by the host before each model call; the factors are made again only where the latent's grid
+        changed."""
+        self.strengths.masks.set_tokens(tokens)
+
+    @property
+    def masked(self) -> bool:
+        """An active entry has a mask (`Entry.region`)."""
+        return bool(self.strengths.masks.regions)
+
     def deactivate(self) -> None:
         """Hooks become no-ops; slots stay warm for the next activation."""
         self.strengths.active = False
@@ -355,7 +368,7 @@ class SlotBank:
                 "progress": self.progress, "scheduled_slots": sorted(self.strengths.schedules),
                 "weighted_layers": sum(layer.factor is not None for layer in self.layers.values()),
                 "slots": [None if a is None else {
-                    "name": a.name, "fingerprint": a.fingerprint,
+                    "name": a.name, "fingerprint": a.fingerprint, "masked": i in self.strengths.masks.regions,
                     "strength": scale[i].item() if scale.dim() == 1 else scale[:, i].tolist()}
                     for i, a in enumerate(self.slots)],
             }

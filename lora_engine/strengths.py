@@ -21,6 +21,7 @@ from torch import nn
 
 from .adapter import Adapter
 from .errors import LoRAShapeError, NonFiniteError, ShapingError
+from .regions import Masks, Region
 from .schedule import Schedule
 
 Strength = float | Sequence[float] | torch.Tensor
@@ -29,16 +30,18 @@ LayerWeights = Mapping[str, float]  # layer name -> multiplier; a layer left out
 
 @dataclass(frozen=True)
 class Entry:
-    """One adapter of an activation. `schedule` and `layer_weights` may be one per batch item (a tuple)."""
+    """One adapter of an activation. `schedule` and `layer_weights` may be one per batch item (a tuple); `region`
+    is a mask that gives it a strength per token (`regions`)."""
 
     adapter: Adapter
     strength: Strength
     schedule: Schedule | tuple[Schedule | None, ...] | None = None
     layer_weights: LayerWeights | tuple[LayerWeights | None, ...] | None = None
+    region: Region | None = None
 
     @property
     def shaped(self) -> bool:
-        return self.schedule is not None or self.layer_weights is not None
+        return self.schedule is not None or self.layer_weights is not None or self.region is not None
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ def merge(entries: Iterable[Entry | tuple[Adapter, Strength]]) -> dict[int, Entr
         e = item if isinstance(item, Entry) else Entry(*item)
         prev = merged.get(id(e.adapter))
         if prev is not None and (prev.shaped or e.shaped):
-            raise ShapingError(f"{e.adapter.name} appears twice in the stack and one entry has a schedule "
-                               "or block weights", path=e.adapter.path, remedy="keep one entry for this LoRA")
+            raise ShapingError(f"{e.adapter.name} appears twice in the stack and one entry has a schedule, "
+                               "block weights or a mask", path=e.adapter.path, remedy="keep one entry for this LoRA")
         merged[id(e.adapter)] = e if prev is None else Entry(e.adapter, _add_strength(prev.strength, e.strength))
     return merged
 
@@ -190,6 +193,7 @@ class Strengths:
         self._live: torch.Tensor | None = None  # the strengths they were found from, [N] or [batch, N]
         self._live_shared: list[bool] = [False] * n
         self.live_changed = False
+        self.masks = Masks(n, owner.dtype, owner.device)  # the slots' regions and their per-token factors
 
     # -- what the layers read ----------------------------------------------------------------------------------
 
@@ -228,6 +232,9 @@ class Strengths:
         made again where the weights changed or `new_layers` (a newcomer may have brought layers)."""
         entries, batch, table = request.entries, request.batch, request.table
         self.schedules = {slots[j]: e.schedule for j, e in enumerate(entries) if e.schedule is not None}
+        if self.masks.set_regions({slots[j]: e.region for j, e in enumerate(entries) if e.region is not None},
+                                  self.n):
+            self.invalidate_live()  # the layers' masked slots change
         weights = {slots[j]: snapshot(e.layer_weights) for j, e in enumerate(entries) if e.layer_weights is not None}
         key = (weights, batch if weights else None)
         if new_layers or key != self.weights:
@@ -313,6 +320,7 @@ class Strengths:
         """`n` slots: the new ones at 0; the per-item tables and the scale are made again."""
         extra = n - self.n
         self.n = n
+        self.masks.set_regions(self.masks.regions, n)
         self._table = torch.cat([self._table, self._table.new_zeros(*self._table.shape[:-1], extra)], -1)
         self._scale_n = torch.zeros(n, dtype=self.owner.dtype, device=self.owner.device)
         self._scale_items = None
@@ -325,6 +333,7 @@ class Strengths:
     def clear(self) -> None:
         """No slot held (a released bank)."""
         self.requested, self._items = {}, None
+        self.masks.set_regions({}, self.n)
         self.weights = None
         self.factors = {}
         self.invalidate_live()
@@ -336,6 +345,7 @@ class Strengths:
             self._scale_items = self._scale_items.to(device)
         self.scale = self.scale.to(device)
         self.factors = {k: (host, dev.to(device)) for k, (host, dev) in self.factors.items()}
+        self.masks.to(device)
         self._columns = {}
         self.generation += 1
 

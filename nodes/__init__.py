@@ -6,6 +6,7 @@ from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
 from .loader import MultiLoRALoader
+from .masks import LoRAStackMask
 from .multi_rows import MultiLoRARows
 from .prompt_stack import LoRAStackFromPrompt
 from .rows import LoRAStackRows
@@ -22,6 +23,7 @@ NODE_CLASS_MAPPINGS = {
     "LoRAStackAsPatches": LoRAStackAsPatches,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackFromPrompt": LoRAStackFromPrompt,
+    "LoRAStackMask": LoRAStackMask,
     "LoRAStackRows": LoRAStackRows,
     "LoRAStackSave": LoRAStackSave,
     "LoRAStrengthGrid": LoRAStrengthGrid,
@@ -39,6 +41,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAStackAsPatches": "LoRA Stack as Weight Patches (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackFromPrompt": "LoRA Stack from Prompt <lora:…> (Multi-LoRA)",
+    "LoRAStackMask": "LoRA Stack Mask (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
     "LoRAStackSave": "Save LoRA Stack as One LoRA (Multi-LoRA)",
     "LoRAStrengthGrid": "LoRA Strength Grid (one batch)",

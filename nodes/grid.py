@@ -119,8 +119,8 @@ class LoRAStrengthGrid:
             table = spec.table(start, stop)
             schedules = spec.shaped_table(start, stop, "schedule", own_schedules)
             blocks = spec.shaped_table(start, stop, "blocks", own_blocks)
-            stack = [bridge.StackEntry(a, strength, e.strength_clip, s, b, own) for a, e, strength, s, b, own
-                     in zip(adapters, items, table, schedules, blocks, own_blocks)]
+            stack = [bridge.StackEntry(a, strength, e.strength_clip, s, b, own, e.region)
+                     for a, e, strength, s, b, own in zip(adapters, items, table, schedules, blocks, own_blocks)]
             m, c = bridge.apply_stack(model, clip, stack)
             models.append(m)
             new_clip = c

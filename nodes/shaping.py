@@ -22,7 +22,17 @@ PRESETS = ("custom", "ALL", "NONE", "IN", "NO-IN", "MID", "NO-MID", "OUT", "NO-O
            "SINGLE", "NO-SINGLE", "FIRST-HALF", "SECOND-HALF")
 
 
-def _target(items, ref: str, what: str) -> int:
+class ShapesEntry:
+    """What every node that shapes one entry of a stack declares alike: its category, its one output and its stack
+    input."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LORA_STACK",)
+    RETURN_NAMES = ("lora_stack",)
+    STACK = ("LORA_STACK", {"tooltip": "The stack that holds the entry."})
+
+
+def entry_index(items, ref: str, what: str) -> int:
     if not items:
         raise ValueError(f"{what}: the stack is empty; connect a LoRAStack first")
     if not (ref or "").strip():
@@ -54,14 +64,11 @@ def _floats(values) -> list[float] | None:
     return out
 
 
-class LoRAStrengthSchedule:
+class LoRAStrengthSchedule(ShapesEntry):
     DESCRIPTION = ("Schedules one stack entry's strength over the sampling steps: keyframes 'progress:multiplier' "
                    "with progress 0…1 (step i of n is i/n), e.g. '0:1.0, 0.6:1.0, 1.0:0.2' fades the LoRA in the "
                    "last 40% of the steps. The multiplier scales strength_model. The LoRA stays in its slot the "
                    "whole time; each step only writes its strength. The text encoder keeps strength_clip.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LORA_STACK",)
-    RETURN_NAMES = ("lora_stack",)
     OUTPUT_TOOLTIPS = ("The stack with the schedule on that entry, for MultiLoRALoader or LoRAStrengthGrid.",)
     FUNCTION = "schedule"
     INPUT_IS_LIST = True
@@ -70,7 +77,7 @@ class LoRAStrengthSchedule:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "lora_stack": ("LORA_STACK", {"tooltip": "The stack that holds the entry."}),
+                "lora_stack": cls.STACK,
                 "entry": ENTRY,
                 "keyframes": ("STRING", {"default": "0:1.0, 0.6:1.0, 1.0:0.2", "tooltip":
                                          "'progress:multiplier' pairs, progress 0…1 in increasing order. Before "
@@ -112,21 +119,18 @@ class LoRAStrengthSchedule:
             sched = Schedule.from_values(numbers, mode) if numbers else Schedule.parse(text, mode)
         except (StackError, ShapingError) as e:
             raise ValueError(str(e)) from None
-        i = _target(items, ref, "entry")
+        i = entry_index(items, ref, "entry")
         items[i] = items[i].with_shaping(schedule=sched)
         return (as_stack(items),)
 
 
-class LoRABlockWeights:
+class LoRABlockWeights(ShapesEntry):
     DESCRIPTION = ("Weights one stack entry per model block. A preset (ALL, NONE, IN, MID, OUT and NO-… for "
                    "SD1.5/SDXL; DOUBLE, SINGLE and NO-… for Flux; FIRST-HALF, SECOND-HALF for DiTs), or with "
                    "preset 'custom' the text in 'weights': named (IN04=0, OUT03-05=0.5, MID=0, BASE=1, default=1) "
                    "or an Inspire Pack vector (BASE, then one value per block the LoRA touches). BASE covers "
                    "layers outside the blocks and also scales strength_clip. The multipliers combine with the "
                    "entry's strength and schedule; zeroed blocks cost nothing at runtime.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LORA_STACK",)
-    RETURN_NAMES = ("lora_stack",)
     OUTPUT_TOOLTIPS = ("The stack with block weights on that entry, for MultiLoRALoader or LoRAStrengthGrid.",)
     FUNCTION = "weights"
 
@@ -134,7 +138,7 @@ class LoRABlockWeights:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "lora_stack": ("LORA_STACK", {"tooltip": "The stack that holds the entry."}),
+                "lora_stack": cls.STACK,
                 "entry": ENTRY,
                 "preset": (list(PRESETS), {"tooltip": "A block preset; the model's family decides which exist "
                                            "(a preset the model lacks is refused when the loader runs). "
@@ -170,6 +174,6 @@ class LoRABlockWeights:
             spec = BlockWeights.parse(weights if preset == "custom" else preset)
         except (StackError, ShapingError) as e:
             raise ValueError(str(e)) from None
-        i = _target(items, entry, "entry")
+        i = entry_index(items, entry, "entry")
         items[i] = items[i].with_shaping(blocks=spec)
         return (as_stack(items),)

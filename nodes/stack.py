@@ -1,9 +1,9 @@
 """LORA_STACK: a list of (lora_name, strength_model, strength_clip) 3-tuples.
 
 This is the convention of Comfyroll, Efficiency Nodes and LoRA Manager, so their
-stacks plug into ours and ours into theirs. An entry with a schedule or block
-weights is a `StackItem`: still a 3-tuple to other packs, with the shaping as
-attributes that only this pack reads.
+stacks plug into ours and ours into theirs. An entry with a schedule, block
+weights or a mask is a `StackItem`: still a 3-tuple to other packs, with the
+shaping as attributes that only this pack reads.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ..lora_engine.blocks import BlockWeights
 from ..lora_engine.errors import shown
+from ..lora_engine.regions import Region
 from ..lora_engine.schedule import Schedule
 
 from . import bridge
@@ -31,29 +32,32 @@ class Entry:
     strength_clip: float
     schedule: Schedule | None = None
     blocks: BlockWeights | None = None
+    region: Region | None = None
 
     @property
     def shaped(self) -> bool:
-        """The entry has a schedule or block weights."""
-        return self.schedule is not None or self.blocks is not None
+        """The entry has a schedule, block weights or a mask."""
+        return self.schedule is not None or self.blocks is not None or self.region is not None
 
     def loaded(self, adapter) -> bridge.StackEntry:
         """This entry with its LoRA loaded, as the bridge applies it."""
-        return bridge.StackEntry(adapter, self.strength_model, self.strength_clip, self.schedule, self.blocks)
+        return bridge.StackEntry(adapter, self.strength_model, self.strength_clip, self.schedule, self.blocks,
+                                 region=self.region)
 
     def with_shaping(self, **changes) -> Entry:
         return replace(self, **changes)
 
 
 class StackItem(tuple):
-    """(lora_name, strength_model, strength_clip), carrying a schedule and block weights as attributes."""
+    """(lora_name, strength_model, strength_clip), carrying a schedule, block weights and a mask as attributes."""
 
     schedule: Schedule | None
     blocks: BlockWeights | None
+    region: Region | None
 
-    def __new__(cls, name, strength_model, strength_clip, schedule=None, blocks=None):
+    def __new__(cls, name, strength_model, strength_clip, schedule=None, blocks=None, region=None):
         item = super().__new__(cls, (name, strength_model, strength_clip))
-        item.schedule, item.blocks = schedule, blocks
+        item.schedule, item.blocks, item.region = schedule, blocks, region
         return item
 
 
@@ -109,9 +113,10 @@ def entries(stack) -> list[Entry]:
         for field, v in (("strength_model", sm), ("strength_clip", sc)):
             if (problem := strength_error(v)) is not None:
                 raise StackError(f"lora_stack entry {i} ({name}): {field} {problem}")
-        schedule, blocks = getattr(item, "schedule", None), getattr(item, "blocks", None)
+        schedule, blocks, region = (getattr(item, k, None) for k in ("schedule", "blocks", "region"))
         out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, Schedule) else None,
-                         blocks if isinstance(blocks, BlockWeights) else None))
+                         blocks if isinstance(blocks, BlockWeights) else None,
+                         region if isinstance(region, Region) else None))
     return out
 
 
@@ -125,7 +130,8 @@ def as_stack(items: list[Entry], left_out: bool = False) -> list[tuple[str, floa
     """The LORA_STACK of `items`. `left_out`: the node that makes it added no entry of its own, being
     disabled, so a shaping node meant for "the one just added" (its entry empty) has nothing to shape."""
     out = Stack((e.name, e.strength_model, e.strength_clip) if not e.shaped else
-                StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks) for e in items)
+                StackItem(e.name, e.strength_model, e.strength_clip, e.schedule, e.blocks, e.region)
+                for e in items)
     out.last_left_out = left_out
     return out
 

@@ -29,6 +29,7 @@ button.mlora-name:hover:not(:disabled) { text-decoration: underline; }
 .mlora-mark[data-kind="cached"] { color: #42a5f5; }
 .mlora-mark[data-kind="idle"] { color: var(--descrip-text, #888); }
 .mlora-mark[data-kind="partial"] { color: #ffa726; }
+.mlora-mark[data-kind="masked"] { color: #ba68c8; }
 .mlora-mark[data-kind="error"] { color: var(--error-text, #ff6b6b); }
 .mlora-nums { flex: none; display: flex; gap: 2px; }
 .mlora-num { box-sizing: border-box; width: 40px; height: 16px; border-radius: 3px; text-align: center;

@@ -2,21 +2,25 @@
  * What the node shows per row, from the pack's read-only routes. Pure: no DOM, no ComfyUI import.
  *
  * GET /multilora/status     {cache: {hits, misses, bytes, max_bytes, entries: [{name, ...}]},
- *                            banks: [{model, slots: [{name, strength} | null]}],
+ *                            banks: [{model, slots: [{name, strength, masked} | null]}],
  *                            reports: [{adapter, model_layers, clip_layers, layers_in_file, partial, ...}]}
  * GET /multilora/lora_info  {name, base_model, rank, ranks, triggers, ...} or {name, error}
  */
 
 import { NONE } from './rows.js'
 
-/** {cached, slots: [{model, slot}], report} for one LoRA name, or null for an empty row. */
+/** {cached, slots: [{model, slot}], masked, report} for one LoRA name, or null for an empty row. `masked`: a slot
+ * holds it with a mask (LoRAStackMask). */
 export function rowStatus(status, name) {
   if (!name || name === NONE) return null
   const cached = (status?.cache?.entries ?? []).some((e) => e?.name === name)
   const slots = []
+  let masked = false
   for (const bank of status?.banks ?? []) {
     ;(bank?.slots ?? []).forEach((s, i) => {
-      if (s?.name === name) slots.push({ model: String(bank.model ?? '?'), slot: i + 1 })
+      if (s?.name !== name) return
+      slots.push({ model: String(bank.model ?? '?'), slot: i + 1 })
+      masked ||= !!s.masked
     })
   }
   const matches = (status?.reports ?? []).filter((r) => r?.adapter === name)
@@ -32,10 +36,10 @@ export function rowStatus(status, name) {
     widened: (r.widened ?? []).map((w) => ({ layer: String(w?.[0] ?? '?'), file: w?.[1] | 0, model: w?.[2] | 0 })),
     partial: !!r.partial,
   }
-  return { cached, slots, report }
+  return { cached, slots, masked, report }
 }
 
-/** Badges for a row: [{kind, text, title}], where kind is slot | cached | idle | layers | partial. `unreadable`:
+/** Badges for a row: [{kind, text, title}], where kind is slot | cached | idle | masked | layers | partial. `unreadable`:
  * the file's metadata could not be read (its error is on the row's line). */
 export function badges(rs, unreadable = false) {
   if (!rs) return []
@@ -51,6 +55,10 @@ export function badges(rs, unreadable = false) {
       title: unreadable ? 'Not loaded: the file cannot be read (see the error beside)'
         : 'Not in the cache yet: it is read when the graph runs',
     })
+  }
+  if (rs.masked) {
+    out.push({ kind: 'masked', text: 'masked', title: 'Applied only where its mask is (LoRAStackMask): each image '
+      + 'token takes its strength times the mask there' })
   }
   const r = rs.report
   if (r) {
@@ -119,14 +127,16 @@ export function cacheLine(status) {
     ` · ${c.hits | 0} hits, ${c.misses | 0} misses`
 }
 
-const MARKS = { slot: '●', cached: '●', idle: '○', partial: '⚠', error: '✕' }
+const MARKS = { slot: '●', cached: '●', idle: '○', masked: '◐', partial: '⚠', error: '✕' }
 
 /** The one mark a row's line shows, {kind, text, title}: an unreadable or missing file first, then a partial match,
- * then where the LoRA is (in a slot, cached, not loaded); the title holds every badge's detail and the metadata. */
+ * then a mask, then where the LoRA is (in a slot, cached, not loaded); the title holds every badge's detail and the
+ * metadata. */
 export function mark(rowBadges, meta) {
   if (!rowBadges.length) return { kind: 'none', text: '', title: '' }
   const kinds = rowBadges.map((b) => b.kind)
-  const kind = meta?.error ? 'error' : kinds.includes('partial') ? 'partial' : kinds[0]
+  const kind = meta?.error ? 'error' : kinds.includes('partial') ? 'partial' : kinds.includes('masked') ? 'masked'
+    : kinds[0]
   const detail = rowBadges.map((b) => `${b.text}: ${b.title}`)
   const title = [meta?.error ? `⚠ ${meta.title}` : meta?.title, ...detail].filter(Boolean).join('\n')
   return { kind, text: MARKS[kind] ?? '•', title }

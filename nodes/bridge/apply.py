@@ -11,6 +11,7 @@ from ...lora_engine import Adapter, SlotLimitError
 from ...lora_engine.binding import no_match
 from ...lora_engine.blocks import BlockWeights, layer_weights, layout
 from ...lora_engine.errors import ShapingError
+from ...lora_engine.regions import Region
 from ...lora_engine.schedule import Schedule
 from ...lora_engine.strengths import Entry, Request
 
@@ -31,8 +32,9 @@ def _strength(value) -> float | tuple[float, ...]:
 class StackEntry:
     """One LoRA of a stack as a node gives it to `apply_stack`: the adapter; its model strength, one number or one
     per batch item (a grid's cells; a list or tuple); its CLIP strength; its schedule and block weights, each one
-    value or one per batch item (a tuple). Where the block weights are one per item (a grid axis varies them), the
-    BASE of `clip_blocks`, the entry's own, scales its CLIP strength."""
+    value or one per batch item (a tuple); its mask (`region`, the diffusion model's alone). Where the block
+    weights are one per item (a grid axis varies them), the BASE of `clip_blocks`, the entry's own, scales its CLIP
+    strength."""
 
     adapter: Adapter
     strength_model: float | Sequence[float]
@@ -40,6 +42,7 @@ class StackEntry:
     schedule: Schedule | tuple[Schedule | None, ...] | None = None
     blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
     clip_blocks: BlockWeights | None = None
+    region: Region | None = None
 
 
 def model_blocks(root) -> list:
@@ -70,6 +73,10 @@ def fixed_strengths(entry: StackEntry, unet_root, holds: str, remedy: str):
     if entry.schedule is not None:
         raise ShapingError(f"{adapter.name} has a strength schedule, which moves its strength over the sampling "
                            f"steps; {holds}", path=adapter.path, remedy=remedy)
+    if entry.region is not None:
+        raise ShapingError(f"{adapter.name} has a mask, which gives it a strength per token at sampling; {holds}",
+                           path=adapter.path, remedy="take LoRAStackMask off this entry, or sample the stack "
+                                                     "through MultiLoRALoader, which applies masks")
     if isinstance(entry.strength_model, (list, tuple)) or isinstance(entry.blocks, tuple):
         raise ShapingError(f"{adapter.name} has one strength per batch item (a grid's cells); {holds}",
                            path=adapter.path, remedy="give the entry one strength")
@@ -125,7 +132,7 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
         warn_fused(adapter, unet_root, entry.strength_model)
         schedule, weights, base = _model_shaping(entry, unet_root, on_model)
         if on_model is not None:
-            model_entries.append(Entry(adapter, _strength(entry.strength_model), schedule, weights))
+            model_entries.append(Entry(adapter, _strength(entry.strength_model), schedule, weights, entry.region))
         if on_clip is not None:
             clip_entries.append(Entry(adapter, _strength(entry.strength_clip) * base))
     new_model = model

@@ -18,6 +18,7 @@ from ..cond_strengths import CondBatch
 from .errors import host_errors
 from .injection import Stack, injection_of, release_unloaded
 from .models import first_time
+from .tokens import check_masks, tokens_of
 
 log = logging.getLogger("multilora")
 
@@ -76,10 +77,10 @@ class ModelCallWrapper:
     """An APPLY_MODEL wrapper on the called model's bank (the executor's `class_obj`, the model the stack was
     injected into). It sets the call's conditioning strengths as per-item strengths (`cond_strengths`; without
     them, the stack's own), taking their keyword out of the call. With a schedule, it sets the sampling progress
-    from the call's sigma. With per-item strengths (a LoRAStrengthGrid batch of `items` cells), it checks that
-    each condition's chunk of the call's batch has that many items: a latent of another batch would otherwise
-    spread the cells over the cond and uncond chunks instead, and sample wrong images without an error. The call's
-    batch is told to the bank for the call's duration (`SlotBank.call_rows`): a layer whose input has other rows
+    from the call's sigma. With masks, it tells the bank where the call's tokens lie (`tokens`). With per-item
+    strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the call's batch
+    has that many items: a latent of another batch would otherwise spread the cells over the cond and uncond chunks
+    instead, and sample wrong images without an error. The call's batch is told to the bank for the call's duration (`SlotBank.call_rows`): a layer whose input has other rows
     (HiDream's routed experts) then refuses per-item strengths instead of giving them to other items' tokens."""
 
     def __init__(self, scheduled: bool = True, items: int = 0):
@@ -105,6 +106,8 @@ class ModelCallWrapper:
                 bank.set_items(None)
             if self.scheduled:
                 bank.set_progress(sampling_progress(root, t, transformer_options))
+            if bank.masked:
+                bank.set_tokens(tokens_of(root, x))  # where the masks' rows lie in this call
             bank.call_rows = x.shape[0]  # per-item strengths reach only layers whose input has these rows
         try:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
@@ -135,6 +138,10 @@ class PrepareSampling:
     @host_errors
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
         injection = injection_of(model)
+        masked = [(e.adapter.name, e.region) for e in injection.stack.entries if e.region is not None] \
+            if injection is not None else []
+        if masked:
+            check_masks(model.model, masked, noise_shape)
         strengths = cond_strengths.set_on(conds)
         if strengths:
             check_strengths(strengths, injection.stack if injection is not None else None)

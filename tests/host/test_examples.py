@@ -1,7 +1,7 @@
 """Every example workflow is valid against the real server's /object_info: node classes, input names,
 required inputs, link targets and socket types; and each UI-format file matches its API twin.
-(multilora_api.json, lora_grid_api.json and shaping_api.json are also executed by test_multilora.py,
-test_grid.py and test_shaping.py;
+(multilora_api.json, lora_grid_api.json, shaping_api.json and masked_api.json are also executed by
+test_multilora.py, test_grid.py, test_shaping.py and test_mask_example.py;
 the Wan2.2 example needs real Wan weights, so it is validated here but not run.)"""
 
 from __future__ import annotations

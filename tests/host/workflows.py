@@ -16,6 +16,8 @@ NAMES = {
     "style.safetensors": synth.LORA_NAMES["kohya"],
     "character.safetensors": synth.LORA_NAMES["peft"],
     "detail.safetensors": synth.LORA_NAMES["locon"],
+    "knight.safetensors": synth.LORA_NAMES["peft"],
+    "dragon.safetensors": synth.LORA_NAMES["locon"],
 }
 
 
@@ -30,7 +32,7 @@ def small(prompt: dict, *, size: int = 64, steps: int = 2, cfg: float = 2.0, see
     for node in p.values():
         node.pop("_meta", None)
         inputs = node["inputs"]
-        for key in ("ckpt_name", "lora_name", "unet_name"):
+        for key in ("ckpt_name", "lora_name", "unet_name", "entry"):
             if isinstance(inputs.get(key), str):
                 inputs[key] = NAMES.get(inputs[key], inputs[key])
         if node["class_type"] == "EmptyLatentImage":

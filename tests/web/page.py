@@ -85,6 +85,14 @@ def panel(node_id: int, inner: str = "") -> str:
     return f"[data-multilora-node='{node_id}'] {inner}".strip()
 
 
+def open_page(b, server) -> None:
+    """ComfyUI's frontend opened on `server`, with no tutorial on a first start and no minimap over the canvas."""
+    server.post_json("/settings/Comfy.TutorialCompleted", True)
+    server.post_json("/settings/Comfy.Minimap.Visible", False)
+    b.call("goto", url=server.url, timeout=120_000, timeout_s=150)
+    wait_ready(b)
+
+
 def wait_ready(b, timeout_s: float = 90.0) -> None:
     b.wait_for("() => !!(window.app && window.app.isGraphReady && window.app.canvas)", timeout_s=timeout_s)
     b.wait_for("() => app.extensions.some((e) => e.name === 'comfyui-multilora.rows')", timeout_s=30)

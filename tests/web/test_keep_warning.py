@@ -37,10 +37,7 @@ def merge_after(node_class: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ui(browser, web_server):
-    web_server.post_json("/settings/Comfy.TutorialCompleted", True)
-    web_server.post_json("/settings/Comfy.Minimap.Visible", False)
-    browser.call("goto", url=web_server.url, timeout=120_000, timeout_s=150)
-    P.wait_ready(browser)
+    P.open_page(browser, web_server)
     return browser
 
 

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
-import { badges, cacheLine, formatBytes, metaText, rowStatus } from '../status.js'
+import { badges, cacheLine, formatBytes, mark, metaText, rowStatus } from '../status.js'
 
 // The shape of GET /multilora/status (nodes/routes.py), trimmed to what the node reads.
 const STATUS = {
@@ -10,7 +10,7 @@ const STATUS = {
     entries: [{ name: 'a.safetensors', fingerprint: 'fa' }, { name: 'b.safetensors', fingerprint: 'fb' }],
   },
   banks: [
-    { model: 'BaseModel', slots: [{ name: 'a.safetensors', strength: 0.8 }, null] },
+    { model: 'BaseModel', slots: [{ name: 'a.safetensors', strength: 0.8 }, { name: 'm.safetensors', masked: true }] },
     { model: 'SD1ClipModel (text encoder)', slots: [null, { name: 'a.safetensors', strength: 0.5 }] },
   ],
   reports: [
@@ -25,13 +25,14 @@ test('rowStatus: slots, cache and the match report of one LoRA', () => {
   assert.deepEqual(rowStatus(STATUS, 'a.safetensors'), {
     cached: true,
     slots: [{ model: 'BaseModel', slot: 1 }, { model: 'SD1ClipModel (text encoder)', slot: 2 }],
+    masked: false,
     report: { model: 10, clip: 2, noClip: 0, inFile: 12, unmatched: 0, unhookable: 0, leftover: 0, widened: [],
       partial: false },
   })
-  assert.deepEqual(rowStatus(STATUS, 'c.safetensors'), { cached: false, slots: [], report: null })
+  assert.deepEqual(rowStatus(STATUS, 'c.safetensors'), { cached: false, slots: [], masked: false, report: null })
   assert.equal(rowStatus(STATUS, 'None'), null)
   assert.equal(rowStatus(STATUS, ''), null)
-  assert.deepEqual(rowStatus(null, 'a.safetensors'), { cached: false, slots: [], report: null })
+  assert.deepEqual(rowStatus(null, 'a.safetensors'), { cached: false, slots: [], masked: false, report: null })
 })
 
 test('badges: residence first, then layers, then a warning for a partial match', () => {
@@ -96,4 +97,15 @@ test('cache line and byte formatting', () => {
   assert.equal(formatBytes(-1), '?')
   assert.equal(cacheLine(STATUS), 'cache: 2 LoRAs, 3.0 MB of 4.0 GB · 5 hits, 3 misses')
   assert.equal(cacheLine(null), '')
+})
+
+test('a LoRA held with a mask (LoRAStackMask) is marked masked, after an error or a partial match', () => {
+  const rs = rowStatus(STATUS, 'm.safetensors')
+  assert.equal(rs.masked, true)
+  const all = badges(rs)
+  assert.deepEqual(all.map((b) => b.kind), ['slot', 'masked'])
+  assert.match(all[1].title, /only where its mask is/)
+  assert.deepEqual([mark(all, null).kind, mark(all, null).text], ['masked', '◐'])
+  assert.equal(mark(all, { error: true, title: 'missing' }).kind, 'error')
+  assert.equal(mark(badges(rowStatus(STATUS, 'a.safetensors')), null).kind, 'slot')
 })

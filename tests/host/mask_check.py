@@ -1,0 +1,149 @@
+"""In-process on ComfyUI's Flux: stack entries with masks (LoRAStackMask's `Region`) sampled as a KSampler samples.
+
+Run with ComfyUI's python (tests/host/test_masks.py does):
+
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/mask_check.py [--out result.json]
+
+The tiny Flux and the two LoRAs A (kohya) and B (diffusers) of sampling_check.py; each sample is
+`comfy.sample.sample` (Euler, 2 steps, cfg 2: the negative is in each call's batch). Masks are 16×16, twice the
+latent's grid.
+
+    plain       the stack A 1.0, B -0.6
+    stock       the same files by ComfyUI's LoraLoader (comfy.sd.load_lora_for_models): the floor
+    ones        A with a mask of ones and text strength 1, B -0.6
+    b_only      B -0.6 alone;  b_stock the same by ComfyUI's loader
+    zeros       A with a mask of zeros (text strength 0), B -0.6
+    one_text0   A with a mask of ones and text strength 0, B -0.6
+    batch       a latent of two items, the same noise: A with the masks [ones, zeros] (text strength 0), B -0.6
+    sides       A on the left half, B on the right half
+
+The diffusion model's calls are counted (their batch sizes) for plain and for sides. Refused before sampling: a
+mask on ComfyUI's SD3 (a family whose token layout the pack does not know), and a batch of 3 masks for a latent of
+2 items; `base_after` samples the base model after them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
+from tests.host.sampling_check import Run, arguments, diffs, emit  # noqa: E402
+
+STEPS, CFG = 2, 2.0
+
+
+class Check:
+    def __init__(self, run: Run):
+        from tools.comfy_inprocess import import_engine
+        self.Region = import_engine("regions").Region
+        self.run = run
+        torch = run.torch
+        self.positive = [[run.context, dict(run.cond)]]
+        g = torch.Generator().manual_seed(21)
+        self.negative = [[torch.randn(run.context.shape, generator=g), dict(run.cond)]]
+        self.calls: list[int] = []
+        run.base.model.diffusion_model.register_forward_pre_hook(lambda _m, args: self.calls.append(args[0].shape[0]))
+        self.left = torch.zeros(1, 16, 16)
+        self.left[..., :8] = 1.0
+
+    def sample(self, model, items: int = 1):
+        run = self.run
+        self.calls.clear()
+        noise = run.noise.repeat(items, 1, 1, 1)
+        out = run.comfy.sample.sample(model, noise, STEPS, CFG, "euler", "simple", self.positive, self.negative,
+                                      run.latent.repeat(items, 1, 1, 1), disable_pbar=True, seed=7)
+        return out.float(), list(self.calls)
+
+    def stack(self, a_region=None, b_region=None, a: float = 1.0, b: float = -0.6, with_a: bool = True):
+        bridge = self.run.bridge
+        entries = [bridge.StackEntry(self.run.adapters["kohya"], a, 0.0, region=a_region)] if with_a else []
+        entries.append(bridge.StackEntry(self.run.adapters["diffusers"], b, 0.0, region=b_region))
+        return bridge.apply_stack(self.run.base, None, entries, len(entries))[0]
+
+    def samples(self) -> dict:
+        torch, R = self.run.torch, self.Region.of
+        ones, zeros = torch.ones(1, 16, 16), torch.zeros(1, 16, 16)
+        s = {"base": self.sample(self.run.base)[0]}
+        s["plain"], self.plain_calls = self.sample(self.stack())
+        s["stock"] = self.sample(self.run.stock_stack(self.run.base))[0]
+        s["ones"] = self.sample(self.stack(R(ones, text=1.0)))[0]
+        s["b_only"] = self.sample(self.stack(with_a=False))[0]
+        s["b_stock"] = self.sample(self.run.stock(self.run.base, self.run.files["diffusers"], -0.6))[0]
+        s["zeros"] = self.sample(self.stack(R(zeros)))[0]
+        s["one_text0"] = self.sample(self.stack(R(ones)))[0]
+        batch, self.batch_calls = self.sample(self.stack(R(torch.cat([ones, zeros]))), items=2)
+        s["batch_0"], s["batch_1"] = batch[:1], batch[1:]
+        s["sides"], self.sides_calls = self.sample(self.stack(R(self.left), R(1.0 - self.left)))
+        return s
+
+    def refusals(self, folder: str) -> dict:
+        from tools.comfy_inprocess import build_model, import_engine
+        torch, comfy, bridge = self.run.torch, self.run.comfy, self.run.bridge
+        ShapingError = import_engine("errors").ShapingError
+        out = {}
+        self.calls.clear()
+        batch3 = bridge.StackEntry(self.run.adapters["kohya"], 1.0, 0.0, region=self.Region.of(torch.ones(3, 4, 4)))
+        out["refusal_batch"] = self._refused(bridge.apply_stack(self.run.base, None, [batch3], 1)[0], 2,
+                                             ShapingError)
+        fam = families(comfy)["sd3"]
+        sd3 = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
+                          expect=fam.expect, buffers=fam.buffers, std=fam.std)
+        w = Writer(torch, dict(sd3.model.named_modules()), comfy.lora.model_lora_keys_unet(sd3.model, {}),
+                   torch.Generator().manual_seed(3), sd3.model.model_config.unet_config)
+        fam.layouts["kohya"](w)
+        path, adapter = self.run.load("sd3_kohya.safetensors", w.sd)
+        masked = bridge.StackEntry(adapter, 1.0, 0.0, region=self.Region.of(torch.ones(1, 4, 4)))
+        model = bridge.apply_stack(sd3, None, [masked], 1)[0]
+        inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
+        cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
+        try:
+            comfy.sample.sample(model, torch.randn(inputs["x"].shape), 1, 1.0, "euler", "simple", cond, cond,
+                                torch.zeros(inputs["x"].shape), disable_pbar=True, seed=7)
+            out["refusal_family"] = None
+        except ValueError as e:
+            if not isinstance(e.__cause__, ShapingError):
+                raise
+            out["refusal_family"] = str(e)
+        return out
+
+    def _refused(self, model, items, error) -> str | None:
+        try:
+            self.sample(model, items)
+            return None
+        except ValueError as e:  # as ComfyUI gets it: a builtin naming the engine's error (nodes/bridge/errors.py)
+            if not isinstance(e.__cause__, error):
+                raise
+            return f"{e} (model calls before it: {len(self.calls)})"
+
+
+def main() -> int:
+    args = arguments(__doc__)
+    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
+    comfy = import_comfy(find_comfy(args.comfy), "cpu")
+    import torch
+    torch.set_num_threads(1)
+    bridge = import_bridge()
+    with tempfile.TemporaryDirectory(prefix="multilora-mask-") as folder:
+        run = Run(comfy, torch, bridge, folder)
+        check = Check(run)
+        s = check.samples()
+        refusals = check.refusals(folder)
+        s["base_after"] = check.sample(run.base)[0]
+        result = {"max": s["plain"].abs().max().item(), "plain_calls": check.plain_calls,
+                  "sides_calls": check.sides_calls, "batch_calls": check.batch_calls, **refusals,
+                  **diffs(s, ("plain", "stock"), ("ones", "plain"), ("b_only", "b_stock"), ("zeros", "b_only"),
+                          ("batch_0", "one_text0"), ("batch_1", "b_only"), ("sides", "plain"), ("plain", "b_only"),
+                          ("one_text0", "plain"), ("base_after", "base"))}
+        comfy.model_management.unload_all_models()
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
