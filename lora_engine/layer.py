@@ -127,7 +127,9 @@ class LayerSlots:
         return runtime.apply(self, module, x, out, scale, rows.a, rows.b, columns, self.dead, tokens=tokens)
 
     def _tokens(self, x, out) -> torch.Tensor:
-        return self.table.masks.factor(self.name, self.owner.model_name, self.geometry, x, out)
+        masks = self.table.masks
+        factor = masks.factor_outside_graph if torch.compiler.is_compiling() else masks.factor
+        return factor(self.name, self.owner.model_name, self.geometry, x, out)
 
     def _mixed_items(self, rows: int) -> None:
         """Per-item strengths are taken row by row from an input's first axis, which a layer such as a mixture of

@@ -140,6 +140,7 @@ class Masks:
         return True
 
     def set_tokens(self, tokens: Tokens | None) -> None:
+        """The tokens of the calls that follow; the factors are made again where the latent's grid changed."""
         if tokens is not None and self.tokens is not None and tokens.latent != self.tokens.latent:
             self._latent, self._factors = {}, {}
         self.tokens = tokens
@@ -148,7 +149,6 @@ class Masks:
         self.device = device
         self._factors = {}
 
-    @torch.compiler.disable
     def factor(self, name: str, model_name: str, geometry, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Layer `name`'s per-token factor for input `x` and output `out`: [batch or 1, tokens…, N] for a layer
         whose channels are last, [batch or 1, N, *spatial] for a conv; computed once per layout and batch."""
@@ -180,6 +180,12 @@ class Masks:
         if f is None:
             f = self._factors[key] = self._make(name, model_name, layout, middle, spatial, x.shape[0])
         return f
+
+    @torch.compiler.disable
+    def factor_outside_graph(self, *args) -> torch.Tensor:
+        """`factor`, called by a compiled graph as a function of its own: a new mask of the same shape then compiles
+        nothing again."""
+        return self.factor(*args)
 
     def _make(self, name, model_name, layout: Layout, middle: tuple, spatial: bool, batch: int) -> torch.Tensor:
         tokens = math.prod(middle)
