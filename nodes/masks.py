@@ -16,8 +16,9 @@ class LoRAStackMask(ShapesEntry):
                    "LoRAs with a left and a right mask do not bleed into each other, in one model call per step "
                    "whatever the number of masks. Rows that are no image token (text tokens, cross-attention K/V, "
                    "modulation) take text_strength. Works with MultiLoRALoader, Multi-LoRA Loader (rows) and "
-                   "LoRAStrengthGrid, on SD1.x/SD2.x/SDXL UNets and Flux; other models refuse the mask before "
-                   "sampling. The text encoder keeps strength_clip.")
+                   "LoRAStrengthGrid, on SD1.x/SD2.x/SDXL UNets, Flux, Chroma, SD3, Wan 2.1/2.2 (one mask, or one "
+                   "per latent frame), Qwen-Image and Lumina 2/Z-Image; other models, and calls with reference "
+                   "latents, refuse the mask. The text encoder keeps strength_clip.")
     OUTPUT_TOOLTIPS = ("The stack with the mask on that entry, for MultiLoRALoader, Multi-LoRA Loader or "
                        "LoRAStrengthGrid.",)
     FUNCTION = "mask"
@@ -40,9 +41,10 @@ class LoRAStackMask(ShapesEntry):
                                       "out there, 1 applies it everywhere."}),
                 "text_strength": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
                                             "The share of the strength on rows that are no image token: the "
-                                            "cross-attention K/V of a UNet, Flux's text stream, modulation. "
-                                            "They reach every image token, so above 0 the LoRA bleeds outside "
-                                            "its mask; 1 with a mask of ones is the plain stack."}),
+                                            "cross-attention K/V of a UNet or Wan, the text stream of Flux, "
+                                            "SD3 or Qwen-Image, modulation. They reach every image token, so "
+                                            "above 0 the LoRA bleeds outside its mask; 1 with a mask of ones "
+                                            "is the plain stack."}),
             },
         }
 

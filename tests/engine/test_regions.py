@@ -228,3 +228,16 @@ def test_compiled_the_masked_path_recompiles_nothing_across_mask_changes(tmp_pat
         change()
         check()
     assert counter.frame_count == frames
+
+
+def test_a_layer_whose_rows_are_not_the_calls_items_is_refused(tmp_path):
+    """A mixture of experts gathers tokens over the batch: where a layer's input has other rows than the host's
+    call, a mask has no place there."""
+    m, bank, ((a, _), _) = setup(tmp_path, "dit")
+    x, ctx = rm.inputs(2)
+    bank.activate([Entry(a, 0.8, region=Region.of(masks(1)))])
+    bank.call_rows = 4
+    with pytest.raises(ShapingError, match="mixes the items' tokens"):
+        run(m, x, ctx)
+    bank.call_rows = 2
+    run(m, x, ctx)

@@ -18,8 +18,8 @@ latent's grid.
     sides       A on the left half, B on the right half
 
 The diffusion model's calls are counted (their batch sizes) for plain and for sides. Refused before sampling: a
-mask on ComfyUI's SD3 (a family whose token layout the pack does not know), and a batch of 3 masks for a latent of
-2 items; `base_after` samples the base model after them.
+mask on ComfyUI's HunyuanVideo (a family whose token layout the pack does not know), and a batch of 3 masks for a
+latent of 2 items; `base_after` samples the base model after them.
 """
 
 from __future__ import annotations
@@ -92,15 +92,15 @@ class Check:
         batch3 = bridge.StackEntry(self.run.adapters["kohya"], 1.0, 0.0, region=self.Region.of(torch.ones(3, 4, 4)))
         out["refusal_batch"] = self._refused(bridge.apply_stack(self.run.base, None, [batch3], 1)[0], 2,
                                              ShapingError)
-        fam = families(comfy)["sd3"]
-        sd3 = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
-                          expect=fam.expect, buffers=fam.buffers, std=fam.std)
-        w = Writer(torch, dict(sd3.model.named_modules()), comfy.lora.model_lora_keys_unet(sd3.model, {}),
-                   torch.Generator().manual_seed(3), sd3.model.model_config.unet_config)
-        fam.layouts["kohya"](w)
-        path, adapter = self.run.load("sd3_kohya.safetensors", w.sd)
+        fam = families(comfy)["hunyuan_video"]
+        other = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
+                            expect=fam.expect, buffers=fam.buffers, std=fam.std)
+        w = Writer(torch, dict(other.model.named_modules()), comfy.lora.model_lora_keys_unet(other.model, {}),
+                   torch.Generator().manual_seed(3), other.model.model_config.unet_config)
+        fam.layouts["musubi"](w)
+        path, adapter = self.run.load("hunyuan_video_musubi.safetensors", w.sd)
         masked = bridge.StackEntry(adapter, 1.0, 0.0, region=self.Region.of(torch.ones(1, 4, 4)))
-        model = bridge.apply_stack(sd3, None, [masked], 1)[0]
+        model = bridge.apply_stack(other, None, [masked], 1)[0]
         inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
         cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
         try:

@@ -55,7 +55,7 @@ def test_masks_cost_no_model_call(result):
 
 
 def test_an_unknown_family_and_a_mask_batch_of_the_wrong_length_are_refused_before_sampling(result, tol):
-    assert "a LoRA mask cannot be placed on SD3" in result["refusal_family"]
+    assert "a LoRA mask cannot be placed on HunyuanVideo" in result["refusal_family"]
     assert "is a batch of 3, for a latent of 2 item(s)" in result["refusal_batch"]
     assert result["refusal_batch"].endswith("(model calls before it: 0)")
     assert result["base_after_vs_base"] <= tol
