@@ -5,6 +5,7 @@ from .as_patches import LoRAStackAsPatches
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
+from .hashes import LoRAStackHashes
 from .loader import MultiLoRALoader
 from .masks import LoRAStackMask
 from .multi_rows import MultiLoRARows
@@ -23,6 +24,7 @@ NODE_CLASS_MAPPINGS = {
     "LoRAStackAsPatches": LoRAStackAsPatches,
     "LoRAStackFromJSON": LoRAStackFromJSON,
     "LoRAStackFromPrompt": LoRAStackFromPrompt,
+    "LoRAStackHashes": LoRAStackHashes,
     "LoRAStackMask": LoRAStackMask,
     "LoRAStackRows": LoRAStackRows,
     "LoRAStackSave": LoRAStackSave,
@@ -41,6 +43,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAStackAsPatches": "LoRA Stack as Weight Patches (Multi-LoRA)",
     "LoRAStackFromJSON": "LoRA Stack from JSON (Multi-LoRA)",
     "LoRAStackFromPrompt": "LoRA Stack from Prompt <lora:…> (Multi-LoRA)",
+    "LoRAStackHashes": "LoRA Stack Hashes (Multi-LoRA)",
     "LoRAStackMask": "LoRA Stack Mask (Multi-LoRA)",
     "LoRAStackRows": "LoRA Stack Rows (Multi-LoRA)",
     "LoRAStackSave": "Save LoRA Stack as One LoRA (Multi-LoRA)",

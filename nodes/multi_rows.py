@@ -2,7 +2,8 @@
 
 It is LoRAStackRows followed by MultiLoRALoader, with the same rows: the rows and the incoming `lora_stack` make the
 same stack (`rows.row_entries`), and `MultiLoRALoader.apply` applies it through the same engine, cache and slots.
-It also outputs that stack and the trigger words of its LoRAs (`triggers`).
+It also outputs that stack, the trigger words of its LoRAs (`triggers`) and their Civitai resource hashes in A1111's
+`Lora hashes` format (`hashes`). New outputs go after the old ones, so that saved workflows keep their links.
 
 API format (`POST /prompt`): the inputs of MultiLoRALoader and LoRAStackRows in one node, with up to MAX_ROWS rows.
 Row i (1..64) is `enabled_i`, `lora_i`, `strength_model_i`, `strength_clip_i`, as in LoRAStackRows:
@@ -21,6 +22,7 @@ can each still be linked; and declared names are the contract that validation ch
 from __future__ import annotations
 
 from . import bridge
+from .hashes import lora_hashes
 from .loader import MultiLoRALoader
 from .rows import MAX_ROWS, LoRAStackRows, named_rows, row_entries, row_inputs, switched_rows
 from .stack import CATEGORY, StackError, as_stack, entries
@@ -31,16 +33,20 @@ class MultiLoRARows:
     DESCRIPTION = ("A whole LoRA stack in one node: a row per LoRA with a toggle, a picker and a model and clip "
                    "strength, a toggle for all rows, up to 64 rows. It equals LoRAStackRows followed by "
                    "MultiLoRALoader: the base weights are never modified, and moving a strength reads no file. "
-                   "It also outputs the stack, for other nodes, and the trigger words of its LoRAs.")
+                   "It also outputs the stack, for other nodes, the trigger words of its LoRAs, and their "
+                   "Civitai resource hashes for an image saver.")
     CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL", "CLIP", "LORA_STACK", "STRING")
-    RETURN_NAMES = ("MODEL", "CLIP", "LORA_STACK", "trigger_words")
+    RETURN_TYPES = ("MODEL", "CLIP", "LORA_STACK", "STRING", "STRING")
+    RETURN_NAMES = ("MODEL", "CLIP", "LORA_STACK", "trigger_words", "lora_hashes")
     OUTPUT_TOOLTIPS = (
         "The model with the stack applied at runtime (a clone; the input is unchanged).",
         "The text encoder with the stack applied, or None when no CLIP is connected.",
         "The incoming stack plus the enabled rows, for a grid, another loader or another pack.",
         "The trigger words of the stack's LoRAs (those with a non-zero strength), comma-joined: from each file's "
         "metadata and the .json, .metadata.json or .civitai.info file beside it.",
+        "A1111's 'Lora hashes' of the same LoRAs, 'name: hash, name: hash' (name: the file's stem, hash: AutoV2, the "
+        "first 10 hex digits of the file's sha256), for Image Saver's additional_hashes: Civitai links the image to "
+        "them. Each file is hashed once; later runs take the hash from the cache.",
     )
     FUNCTION = "load"
 
@@ -76,4 +82,4 @@ class MultiLoRARows:
         new_model, new_clip, loaded = MultiLoRALoader.applied(model, stack, clip, max_loras)
         words = trigger_text(e.adapter for e in loaded if e.strength_model != 0 or (clip is not None
                                                                                    and e.strength_clip != 0))
-        return (new_model, new_clip, stack, words)
+        return (new_model, new_clip, stack, words, lora_hashes(entries(stack), clip is not None))

@@ -10,6 +10,7 @@ import math
 from aiohttp import web
 
 from ..lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
+from ..lora_engine.hashes import default_hashes
 from ..lora_engine.layer import hooked_layers
 
 from . import bridge
@@ -30,6 +31,7 @@ def status() -> dict:
         "loaded_models": bridge.loaded_models(),
         "hooks": hooks(),
         "fusions": fusion_log(),
+        "hashes": default_hashes().stats(),  # the sha256 of LoRA files for lora_hashes: files hashed, cache hits
     }
 
 

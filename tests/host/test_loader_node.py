@@ -43,8 +43,8 @@ def fp32_server(server, tmp_path_factory):
 def test_nodes_declare_the_documented_contract(server):
     info = server.object_info()
     rows = info["MultiLoRARows"]
-    assert rows["output"] == ["MODEL", "CLIP", "LORA_STACK", "STRING"]
-    assert rows["output_name"] == ["MODEL", "CLIP", "LORA_STACK", "trigger_words"]
+    assert rows["output"] == ["MODEL", "CLIP", "LORA_STACK", "STRING", "STRING"]
+    assert rows["output_name"] == ["MODEL", "CLIP", "LORA_STACK", "trigger_words", "lora_hashes"]
     assert list(rows["input"]["required"]) == ["model"]
     optional = list(rows["input"]["optional"])
     assert optional[:4] == ["clip", "lora_stack", "max_loras", "single_strength"]
