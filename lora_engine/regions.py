@@ -114,7 +114,9 @@ TEXT = Layout()  # no row is an image token
 @dataclass(frozen=True)
 class Tokens:
     """What the host says of one model call: its latent's grid (frames, height, width), and `layout(layer, x)`, the
-    `Layout` of a token-taking layer's input x (a `ShapingError` where it cannot say)."""
+    `Layout` of a token-taking layer's input x (a `ShapingError` where it cannot say). For one latent, a layer's
+    layout depends on its input's shape alone: the engine keeps each layer's factor by that shape until the latent
+    or the regions change, and asks again only for a shape it has not seen."""
 
     latent: tuple[int, int, int]
     layout: Callable[[str, torch.Tensor], Layout]
@@ -129,33 +131,45 @@ class Masks:
         self.regions: dict[int, Region] = {}
         self.tokens: Tokens | None = None
         self._latent: dict[int, torch.Tensor] = {}  # slot -> its mask at the call's latent
-        self._factors: dict[tuple, torch.Tensor] = {}
+        self._factors: dict[tuple, torch.Tensor] = {}  # by layout and batch
+        self._layers: dict[tuple, torch.Tensor] = {}  # (layer, input shape) -> its factor
 
     def set_regions(self, regions: dict[int, Region], n: int) -> bool:
         """The regions by slot, of `n` slots; the factors are made again where either changed (then True)."""
         if regions == self.regions and n == self.n:
             return False
         self.regions, self.n = dict(regions), n
-        self._latent, self._factors = {}, {}
+        self._forget()
         return True
+
+    def _forget(self) -> None:
+        self._latent, self._factors, self._layers = {}, {}, {}
 
     def set_tokens(self, tokens: Tokens | None) -> None:
         """The tokens of the calls that follow; the factors are made again where the latent's grid changed."""
         if tokens is not None and self.tokens is not None and tokens.latent != self.tokens.latent:
-            self._latent, self._factors = {}, {}
+            self._forget()
         self.tokens = tokens
 
     def to(self, device: torch.device) -> None:
         self.device = device
-        self._factors = {}
+        self._factors, self._layers = {}, {}
 
     def factor(self, name: str, model_name: str, geometry, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Layer `name`'s per-token factor for input `x` and output `out`: [batch or 1, tokens…, N] for a layer
-        whose channels are last, [batch or 1, N, *spatial] for a conv; computed once per layout and batch."""
+        """Layer `name`'s per-token factor for input `x` and output `out`, shaped to scale each slot's columns at once:
+        [batch or 1, tokens…, N, 1] for a layer whose channels are last, [batch or 1, N, 1, *spatial] for a conv;
+        made once per layout and batch, and found by the layer and its input's shape after that."""
         if self.tokens is None:
             raise ShapingError(f"layer {name!r} of {model_name} runs with masked LoRA entries, but the host has "
                                "not said where the model call's tokens lie", remedy="set the call's tokens "
                                "(SlotBank.set_tokens) before the model runs")
+        seen = (name, x.shape)
+        f = self._layers.get(seen)
+        if f is None:
+            f = self._layers[seen] = self._factor(name, model_name, geometry, x, out)
+        return f
+
+    def _factor(self, name: str, model_name: str, geometry, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         spatial = not geometry.channel_last
         if spatial:
             if out.dim() < 4:
@@ -210,7 +224,7 @@ class Masks:
             f = f.repeat(batch // m, 1, 1)
         if spatial:
             f = f.transpose(1, 2)
-        f = f.reshape(f.shape[0], *((self.n, *middle) if spatial else (*middle, self.n)))
+        f = f.reshape(f.shape[0], *((self.n, 1, *middle) if spatial else (*middle, self.n, 1)))
         return f.to(device=self.device, dtype=self.dtype)
 
     def _per_frame(self, region: Region) -> bool:

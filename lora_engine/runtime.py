@@ -18,8 +18,9 @@ of its weight and bias as s_i · (n(x) · Δw_i + Δb_i), n(x) recomputed withou
 the affine part. Only the layer's output is used, never its weight, so fp8,
 GGUF, offloaded and manually cast layers work unchanged.
 
-With masked entries (`regions`), the rows also take a factor per token, t: [batch, tokens…, N] (a conv's
-[batch, N, *spatial]), broadcast over each slot's R columns of h, h ← h ⊙ t, and over a dense or bias slot's output.
+With masked entries (`regions`), the rows also take a factor per token, t: [batch, tokens…, N, 1] (a conv's
+[batch, N, 1, *spatial]), broadcast over each slot's R columns of h, h ← h ⊙ t, and over a dense or bias slot's
+output.
 
 A layer may take more inputs than the slots were made for: the host widened its
 weight after binding (ComfyUI's LoraLoader widens Flux's img_in for a control
@@ -145,10 +146,13 @@ def _per_token(h, tokens, rank: int, axis: int):
     """h with each slot's `rank` columns (on `axis`: -1, or 1 for a conv) times that slot's factor per token."""
     n = h.shape[axis] // rank
     if axis == -1:
-        parts, t = h.unflatten(-1, (n, rank)), tokens[..., :n].unsqueeze(-1)
+        parts, t = h.unflatten(-1, (n, rank)), tokens if tokens.shape[-2] == n else tokens[..., :n, :]
     else:
-        parts, t = h.unflatten(1, (n, rank)), tokens[:, :n].unsqueeze(2)
-    y = parts * t if torch.is_grad_enabled() else parts.mul_(t)
+        parts, t = h.unflatten(1, (n, rank)), tokens if tokens.shape[1] == n else tokens[:, :n]
+    if not torch.is_grad_enabled():
+        parts.mul_(t)  # a view of h
+        return h
+    y = parts * t
     return y.flatten(-2) if axis == -1 else y.flatten(1, 2)
 
 
@@ -156,7 +160,7 @@ def _token_of(tokens, slot, geom):
     """A dense or bias slot's factor per token, shaped to broadcast over the layer's output; None: 1."""
     if tokens is None:
         return None
-    return tokens[..., slot:slot + 1] if geom.channel_last else tokens[:, slot:slot + 1]
+    return tokens[..., slot, :] if geom.channel_last else tokens[:, slot]
 
 
 def _times(s, t):
@@ -227,7 +231,7 @@ def _stacked(module, xd, geom, out, scale, stacked, tokens=None):
     slots in a tensor that gathers their strengths, so that a compiled graph depends on how many there are, not on
     which slots hold them."""
     deltas, dense_slots, biases, bias_slots = stacked
-    batch, axis = xd.shape[0], -1 if geom.channel_last else 1
+    batch, axis = xd.shape[0], -2 if geom.channel_last else 1
     if deltas:
         s = scale.index_select(-1, dense_slots)
         t = None if tokens is None else tokens.index_select(axis, dense_slots)

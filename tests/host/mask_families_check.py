@@ -27,10 +27,11 @@ twice the latent's 8×8.
              `local_outside` (elsewhere, which must be 0). Where the grid is read wrongly (rows and columns,
              frames, Lumina's caption rows before the image), other pixels move.
 
-Refused, each with the ShapingError's message (the layer it names):
+Refused, each with the ShapingError's message:
 
     refusal_extra  a call given the family's extra tokens through apply_model: Qwen-Image's and Z-Image's
-                   reference latents (`ref_latents`), Wan's in-context latents (`context_latents`)
+                   reference latents (`ref_latents`), Wan's in-context latents (`context_latents`), refused as
+                   the diffusion model starts (naming the family and the argument)
     refusal_count  the diffusion model called directly on a 12×12 latent while the bank holds the tokens of an
                    8×8 one: the first masked layer that takes tokens has rows that the latent's grid does not
 

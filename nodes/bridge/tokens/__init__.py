@@ -31,8 +31,9 @@ before sampling, and a layer that none of these rules places is refused when it 
 from __future__ import annotations
 
 import functools
+import weakref
 
-from ....lora_engine import ShapingError, Tokens
+from ....lora_engine import ShapingError, SlotBank, Tokens
 
 from .dit import SD3, Lumina2, QwenImage
 from .flux import Chroma, Flux
@@ -66,8 +67,19 @@ def family_of(root):
             raise ShapingError(f"a LoRA mask cannot be placed on {model} models: the pack knows the token layout "
                                f"of {known}", remedy="take LoRAStackMask off the stack for this model")
         label, layout = FAMILIES[name]
-        family = dm.__dict__[STATE] = layout(dm, label)
+        family = dm.__dict__[STATE] = layout(dm, label, _masked(root))
     return family
+
+
+def _masked(root):
+    """Whether `root`'s bank samples masked entries now; the root held weakly (its diffusion model holds this)."""
+    ref = weakref.ref(root)
+
+    def masked() -> bool:
+        r = ref()
+        bank = SlotBank.attached(r) if r is not None else None
+        return bank is not None and bank.active and bank.masked
+    return masked
 
 
 def check_masks(root, regions, noise_shape) -> None:

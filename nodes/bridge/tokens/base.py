@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 from ....lora_engine import Layout, ShapingError
 
@@ -27,20 +28,26 @@ def given(value) -> bool:
 
 class Family:
     """One family's layout. `RULES` give each layer's role; `WATCHED` names the forward arguments whose tokens are no
-    part of the latent's grid (reference latents): a call given one places no image token, it is refused."""
+    part of the latent's grid (reference latents): a masked call given one is refused as it starts. `masked()` says
+    whether the call under way samples masked entries. A layer's layout depends on the latent and its input's
+    shape alone (the engine keeps it by that shape: `lora_engine.regions.Tokens`)."""
 
     RULES: tuple[tuple[str, re.Pattern], ...] = ()
     WATCHED: tuple[str, ...] = ()
 
-    def __init__(self, dm, name: str):
+    def __init__(self, dm, name: str, masked: Callable[[], bool] = lambda: True):
         self.name = name
+        self.masked = masked
         self.roles: dict[str, str | None] = {}
-        self.extra: tuple[str, ...] = ()
         if self.WATCHED:
             dm.register_forward_pre_hook(self._watch, with_kwargs=True)
 
     def _watch(self, module, args, kwargs):
-        self.extra = tuple(k for k in self.WATCHED if given(kwargs.get(k)))
+        extra = [k for k in self.WATCHED if given(kwargs.get(k))]
+        if extra and self.masked():
+            raise ShapingError(f"{self.name} is given {', '.join(extra)} in this call, whose tokens are no part of "
+                               "the latent's grid, so a LoRA mask cannot be placed on them",
+                               remedy="take LoRAStackMask off the stack for this sampling, or sample without them")
 
     def role(self, layer: str) -> str | None:
         """The layer's role by the first rule its name matches (None: no rule), looked up once per layer."""
@@ -58,7 +65,6 @@ class Family:
     def placed(self, layer: str, x, grid: tuple[int, int, int], start: int = 0, after: int = 0) -> Layout:
         """The image grid from row `start`, for an input [batch, tokens, channels] of exactly `start` + f·h·w +
         `after` rows; else refused (an input of other rows holds tokens that the latent's grid does not)."""
-        self.unwatched(layer, x)
         if x.dim() != 3:
             raise self.refuse(layer, x, "its input is not [batch, tokens, channels] (a norm over attention heads)")
         rows = start + math.prod(grid) + after
@@ -67,12 +73,6 @@ class Family:
             raise self.refuse(layer, x, f"the latent's grid of {'×'.join(map(str, grid))} patches with {where} "
                                         f"makes {rows} rows (reference latents or other tokens add more)")
         return Layout(grid, start)
-
-    def unwatched(self, layer: str, x) -> None:
-        """Refused where this call is given a `WATCHED` argument."""
-        if self.extra:
-            raise self.refuse(layer, x, f"this call is given {', '.join(self.extra)}, whose tokens are no part of "
-                                        "the latent's grid")
 
     def refuse(self, layer: str, x, why: str) -> ShapingError:
         return ShapingError(f"layer {layer!r} of {self.name} takes {tuple(x.shape)}: {why}, so a LoRA mask cannot "

@@ -21,8 +21,8 @@ class SD3(Family):
         ("image", r"joint_blocks\.\d+\.x_block\..*|final_layer\.linear"),
     )
 
-    def __init__(self, dm, name):
-        super().__init__(dm, name)
+    def __init__(self, dm, name, masked):
+        super().__init__(dm, name, masked)
         self.patch = dm.patch_size
 
     def layout(self, latent, layer: str, x) -> Layout:
@@ -48,8 +48,8 @@ class QwenImage(Family):
     )
     WATCHED = ("ref_latents",)
 
-    def __init__(self, dm, name):
-        super().__init__(dm, name)
+    def __init__(self, dm, name, masked):
+        super().__init__(dm, name, masked)
         self.patch = dm.patch_size
 
     def layout(self, latent, layer: str, x) -> Layout:
@@ -79,8 +79,8 @@ class Lumina2(Family):
     )
     WATCHED = ("ref_latents", "ref_contexts", "siglip_feats")
 
-    def __init__(self, dm, name):
-        super().__init__(dm, name)
+    def __init__(self, dm, name, masked):
+        super().__init__(dm, name, masked)
         self.patch = dm.patch_size
         self.multiple = dm.pad_tokens_multiple
         self.caption: int | None = None

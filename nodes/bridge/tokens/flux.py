@@ -23,8 +23,8 @@ class Flux(Family):
 
     RULES = rules(*_STREAMS)
 
-    def __init__(self, dm, name):
-        super().__init__(dm, name)
+    def __init__(self, dm, name, masked):
+        super().__init__(dm, name, masked)
         self.patch = dm.patch_size
         self.split: int | None = None
         for m in dm.single_blocks:

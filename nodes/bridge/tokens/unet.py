@@ -14,8 +14,8 @@ _TEXT = re.compile(r"\.attn2\.to_(k|v)$")  # cross-attention K and V read the te
 class UNet(Family):
     """Each `SpatialTransformer` records its input grid as it starts; its layers' rows are that grid."""
 
-    def __init__(self, dm, name):
-        super().__init__(dm, name)
+    def __init__(self, dm, name, masked):
+        super().__init__(dm, name, masked)
         self.grids: dict[str, tuple[int, int]] = {}
         self.owner: dict[str, str | None] = {}
         self.transformers = [n for n, m in dm.named_modules() if type(m).__name__ == "SpatialTransformer"]

@@ -23,8 +23,8 @@ class Wan(Family):
     )
     WATCHED = ("reference_latent", "context_latents", "time_dim_concat")
 
-    def __init__(self, dm, name):
-        super().__init__(dm, name)
+    def __init__(self, dm, name, masked):
+        super().__init__(dm, name, masked)
         self.patch = tuple(dm.patch_size)
         self.grid: tuple[int, int, int] | None = None
         for m in dm.blocks:
@@ -44,7 +44,6 @@ class Wan(Family):
             return TEXT
         if role != "image":
             raise self.refuse(layer, x, "it is neither in the video nor in the text stream")
-        self.unwatched(layer, x)
         grid = self.patches(latent, self.patch)
         if self.grid is None:
             raise self.refuse(layer, x, "ComfyUI gave its block no `grid_sizes`")
