@@ -14,6 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -195,18 +196,25 @@ def test_a_second_listing_reads_no_file_and_a_replaced_file_is_read_again(web_se
     assert again["reads"] == 0, "an unchanged library is listed from the cache"
     path = library["files"]["sdxl/nothing.safetensors"]
     kohya = web_server.models_dir / "loras" / synth.LORA_NAMES["kohya"]
-    lora_files.rewrite(kohya, path, metadata={"ss_base_model_version": "sdxl_base_v1-0"})  # a new inode
-    added = library["top"] / "sdxl" / "added.safetensors"
-    lora_files.rewrite(kohya, added, metadata={})
-    after = listing(web_server)
-    files = by_name(after)
-    assert files[name("sdxl/nothing.safetensors")]["base_model"] == "SDXL"
-    assert name("sdxl/added.safetensors") in files
-    assert after["reads"] == 2, "only the replaced and the added file are read"
-    (library["top"] / "sdxl" / "nothing.json").write_text(json.dumps({"preferred weight": 0.4}))
-    after = listing(web_server)
-    assert after["reads"] == 1 and by_name(after)[name("sdxl/nothing.safetensors")]["weight"] == 0.4
-    added.unlink()
+    added, sidecar = library["top"] / "sdxl" / "added.safetensors", library["top"] / "sdxl" / "nothing.json"
+    original = Path(path).read_bytes()
+    try:
+        lora_files.rewrite(kohya, path, metadata={"ss_base_model_version": "sdxl_base_v1-0"})  # a new inode
+        lora_files.rewrite(kohya, added, metadata={})
+        after = listing(web_server)
+        files = by_name(after)
+        assert files[name("sdxl/nothing.safetensors")]["base_model"] == "SDXL"
+        assert name("sdxl/added.safetensors") in files
+        assert after["reads"] == 2, "only the replaced and the added file are read"
+        sidecar.write_text(json.dumps({"preferred weight": 0.4}))
+        after = listing(web_server)
+        assert after["reads"] == 1 and by_name(after)[name("sdxl/nothing.safetensors")]["weight"] == 0.4
+    finally:  # the library as the other tests of the module expect it, whatever order they run in
+        added.unlink(missing_ok=True)
+        sidecar.unlink(missing_ok=True)
+        restored = Path(f"{path}.restore")
+        restored.write_bytes(original)
+        os.replace(restored, path)
 
 
 @pytest.mark.parametrize("rel, content_type, body", [
