@@ -9,44 +9,9 @@ from ....lora_engine import Layout
 from .base import TEXT, Family, rules
 
 
-class SD3(Family):
-    """SD3 / SD3.5's MMDiT: each joint block's `x_block` takes the image tokens (the latent in patches of
-    `patch_size`², `x_embedder` a conv laid out by its output) and its `context_block` the text; the two meet only
-    inside attention, after their own projections. The embeddings of time and pooled text and every adaLN
-    modulation are one vector per item."""
-
-    RULES = rules(
-        ("text", r"context_embedder|context_processor\..*|joint_blocks\.\d+\.context_block\..*"),
-        ("text", r"(t_embedder|y_embedder)\..*|(joint_blocks\.\d+\.x_block|final_layer)\.adaLN_modulation\.\d+"),
-        ("image", r"joint_blocks\.\d+\.x_block\..*|final_layer\.linear"),
-    )
-
-    def __init__(self, dm, name, masked):
-        super().__init__(dm, name, masked)
-        self.patch = dm.patch_size
-
-    def layout(self, latent, layer: str, x) -> Layout:
-        role = self.role(layer)
-        if role == "text":
-            return TEXT
-        if role != "image":
-            raise self.refuse(layer, x, "it is in neither the image nor the text blocks")
-        return self.placed(layer, x, self.patches(latent, (1, self.patch, self.patch)))
-
-
-class QwenImage(Family):
-    """Qwen-Image: the image stream (`img_in`, each block's `to_q/k/v`, `to_out.0`, `img_mlp`, `proj_out`) takes
-    the latent in 2×2 patches, the text stream (`txt_norm`, `txt_in`, `add_*_proj`, `to_add_out`, `txt_mlp`) the
-    text; they meet only inside attention. The time embedding and the modulations are one vector per item. Refused:
-    a call given reference latents (Qwen-Image-Edit), whose tokens follow the latent's in the image stream."""
-
-    RULES = rules(
-        ("text", r"txt_norm|txt_in|transformer_blocks\.\d+\.(attn\.(add_[qkv]_proj|to_add_out|norm_added_[qk])|"
-                 r"txt_mlp\..*)"),
-        ("text", r"time_text_embed\..*|transformer_blocks\.\d+\.(img_mod|txt_mod)\..*|norm_out\.linear"),
-        ("image", r"img_in|transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|norm_[qk])|img_mlp\..*)|proj_out"),
-    )
-    WATCHED = ("ref_latents",)
+class Streams(Family):
+    """A transformer whose image and text streams meet only inside attention: each layer takes the latent in
+    patches of `patch_size`² (`image`), or no image token (`text`), by its `RULES`."""
 
     def __init__(self, dm, name, masked):
         super().__init__(dm, name, masked)
@@ -59,6 +24,34 @@ class QwenImage(Family):
         if role != "image":
             raise self.refuse(layer, x, "it is in neither the image nor the text stream")
         return self.placed(layer, x, self.patches(latent, (1, self.patch, self.patch)))
+
+
+class SD3(Streams):
+    """SD3 / SD3.5's MMDiT: each joint block's `x_block` takes the image tokens (the latent in patches of
+    `patch_size`², `x_embedder` a conv laid out by its output) and its `context_block` the text; the two meet only
+    inside attention, after their own projections. The embeddings of time and pooled text and every adaLN
+    modulation are one vector per item."""
+
+    RULES = rules(
+        ("text", r"context_embedder|context_processor\..*|joint_blocks\.\d+\.context_block\..*"),
+        ("text", r"(t_embedder|y_embedder)\..*|(joint_blocks\.\d+\.x_block|final_layer)\.adaLN_modulation\.\d+"),
+        ("image", r"joint_blocks\.\d+\.x_block\..*|final_layer\.linear"),
+    )
+
+
+class QwenImage(Streams):
+    """Qwen-Image: the image stream (`img_in`, each block's `to_q/k/v`, `to_out.0`, `img_mlp`, `proj_out`) takes
+    the latent in 2×2 patches, the text stream (`txt_norm`, `txt_in`, `add_*_proj`, `to_add_out`, `txt_mlp`) the
+    text; they meet only inside attention. The time embedding and the modulations are one vector per item. Refused:
+    a call given reference latents (Qwen-Image-Edit), whose tokens follow the latent's in the image stream."""
+
+    RULES = rules(
+        ("text", r"txt_norm|txt_in|transformer_blocks\.\d+\.(attn\.(add_[qkv]_proj|to_add_out|norm_added_[qk])|"
+                 r"txt_mlp\..*)"),
+        ("text", r"time_text_embed\..*|transformer_blocks\.\d+\.(img_mod|txt_mod)\..*|norm_out\.linear"),
+        ("image", r"img_in|transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|norm_[qk])|img_mlp\..*)|proj_out"),
+    )
+    WATCHED = ("ref_latents",)
 
 
 class Lumina2(Family):
