@@ -18,6 +18,7 @@ from .distill import fusion_log
 from .library import LIBRARY, MAX_PREVIEW, PreviewError
 from .library import etag as library_etag
 from .lora_info import describe as describe_lora
+from .pairs import pair_info
 
 
 def status() -> dict:
@@ -75,7 +76,7 @@ def lora_info(name: str) -> dict:
     except LoRAError as e:
         raise type(e)(e.message, path=name, key=e.key, remedy=e.remedy) from None
     shapes = {key: info.shape for key, info in header.tensors.items()}
-    return {"name": name, **describe_lora(shapes, header.metadata)}
+    return {"name": name, **describe_lora(shapes, header.metadata), "pair": pair_info(name, bridge.lora_names())}
 
 
 @routes.get("/multilora/lora_info")

@@ -75,26 +75,28 @@ def switched_rows(inputs: Mapping[str, object], max_rows: int = MAX_ROWS) -> lis
             if not is_blank(inputs.get(f"lora_{i}")) or inputs.get(f"enabled_{i}", True) is False]
 
 
+def row_entry(inputs: Mapping[str, object], i: int, single_strength: bool = False) -> Entry | None:
+    """The entry row `i` of `inputs` stands for, or None for a row that is absent, "None" or off."""
+    name = inputs.get(f"lora_{i}")
+    if is_blank(name):
+        return None
+    if not isinstance(name, str):
+        raise StackError(f"row {i}: lora_{i} must be a LoRA file name, got {shown(name)}")
+    enabled = inputs.get(f"enabled_{i}", True)
+    if not isinstance(enabled, bool):
+        raise StackError(f"row {i} ({name}): enabled_{i} must be true or false, got {shown(enabled)}")
+    if not enabled:
+        return None
+    sm = _number(i, "strength_model", name, inputs.get(f"strength_model_{i}", 1.0))
+    clip_key = f"strength_clip_{i}"
+    sc = sm if single_strength or clip_key not in inputs else _number(i, "strength_clip", name, inputs[clip_key])
+    return Entry(name, sm, sc)
+
+
 def row_entries(inputs: Mapping[str, object], single_strength: bool = False,
                 max_rows: int = MAX_ROWS) -> list[Entry]:
     """The entries that rows 1..max_rows of `inputs` stand for, in row order."""
-    out = []
-    for i in range(1, max_rows + 1):
-        name = inputs.get(f"lora_{i}")
-        if is_blank(name):
-            continue
-        if not isinstance(name, str):
-            raise StackError(f"row {i}: lora_{i} must be a LoRA file name, got {shown(name)}")
-        enabled = inputs.get(f"enabled_{i}", True)
-        if not isinstance(enabled, bool):
-            raise StackError(f"row {i} ({name}): enabled_{i} must be true or false, got {shown(enabled)}")
-        if not enabled:
-            continue
-        sm = _number(i, "strength_model", name, inputs.get(f"strength_model_{i}", 1.0))
-        clip_key = f"strength_clip_{i}"
-        sc = sm if single_strength or clip_key not in inputs else _number(i, "strength_clip", name, inputs[clip_key])
-        out.append(Entry(name, sm, sc))
-    return out
+    return [e for i in range(1, max_rows + 1) if (e := row_entry(inputs, i, single_strength)) is not None]
 
 
 class LoRAStackRows:

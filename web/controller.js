@@ -8,13 +8,14 @@
 
 import { createPanel } from './panel.js'
 import {
-  FIELDS, NONE, SNAPSHOT_KEY, STRENGTH_MAX, STRENGTH_MIN, applyOrder, booleanValue, inPrompt, inferCount, inputName,
+  ALL_FIELDS, AUTO, FIELDS, NONE, SNAPSHOT_KEY, STRENGTH_MAX, STRENGTH_MIN, applyOrder, booleanValue, inPrompt, inferCount, inputName,
   makeSnapshot, orderAfterAdd, orderAfterMove, orderAfterRemove, parseInputName, promptText, promptValue, readRows,
-  readSnapshot, rowCapacity, rowValues, strengthValue, toggleAllValue,
+  lowView, nextTarget, targetOf, readSnapshot, rowCapacity, rowValues, strengthValue, toggleAllValue,
 } from './rows.js'
 import { badges, cacheLine, mark, metaText, rowStatus } from './status.js'
 
 const MIN_WIDTH = 380 // room for a file name, its mark, two strengths and the row's buttons
+const PAIRED_WIDTH = 540 // and, with Wan 2.2's model_low linked, the target and the low-noise file
 const PANEL_MARGIN = 4 // px around the panel inside the node (the DOM widget's margin)
 const SOCKET_LABELS = { enabled: 'on/off', lora: 'LoRA', strength_model: 'model strength', strength_clip: 'clip strength' }
 
@@ -40,6 +41,8 @@ export class RowsController {
       pick: (row) => this.pick(row - 1),
       strength: (row, field, text) => this.setStrength(row - 1, field, text),
       menu: (row, event) => this.rowMenu(row - 1, event),
+      target: (row) => this.edit(row - 1, 'target', nextTarget), // both, then high, then low
+      pickLow: (row) => this.pick(row - 1, 'lora_low'),
     })
     this.panelWidget = node.addDOMWidget('multilora_rows', 'multilora-rows', this.panel.element, {
       serialize: false,
@@ -56,7 +59,7 @@ export class RowsController {
       const own = w.serializeValue
       // Rows not in use stay out of the API prompt; rows in use go in as they are, but for a disabled row's LoRA.
       w.serializeValue = (n, i) => {
-        if (!inPrompt(w.name, this.count, this.singleStrength())) return undefined
+        if (!inPrompt(w.name, this.count, this.singleStrength(), this.paired())) return undefined
         const value = own ? own.call(w, n, i) : w.value
         return this.promptValue(w.name, value)
       }
@@ -102,6 +105,11 @@ export class RowsController {
     return booleanValue(this.get('single_strength')) === true
   }
 
+  /** Whether Wan 2.2's low-noise model is linked (MultiLoRARows' model_low): the rows then show their pairing. */
+  paired() {
+    return !!this.widget(inputName('target', 1)) && this.isLinked('model_low')
+  }
+
   slotOf(name) {
     return this.node.findInputSlot(name)
   }
@@ -137,7 +145,7 @@ export class RowsController {
     const graph = this.node.graph
     const moved = []
     for (let old = 0; old < this.count; old++) {
-      for (const f of FIELDS) {
+      for (const f of ALL_FIELDS) {
         const slot = this.slotOf(inputName(f, old + 1))
         const link = slot >= 0 ? this.node.getInputLink(slot) : null
         if (link) moved.push({ old, f, slot, link, from: link.resolve?.(graph)?.subgraphInput })
@@ -198,28 +206,33 @@ export class RowsController {
     this.node.setDirtyCanvas(true, false)
   }
 
-  /** Open the LoRA picker for a row's LoRA (its widget is hidden; the name on the line stands for it). */
-  pick(at) {
-    const w = this.widget(inputName('lora', at + 1))
+  /** Open the LoRA picker for a row's LoRA (its widget is hidden; the name on the line stands for it), or with
+   * `field` 'lora_low' for its low-noise file. */
+  pick(at, field = 'lora') {
+    const w = this.widget(inputName(field, at + 1))
     if (w && !this.isLinked(w.name)) this.services.pick(this.node, w)
   }
 
-  /** A strength typed or dragged on a row's line: a number or a decimal text, kept within the widget's range; one
-   * undo step, and the widget's callback runs as for an edit of the widget itself. Other text changes nothing. */
-  setStrength(at, field, text) {
+  /** Set a row input that is not linked, as an edit of its widget would: one undo step, the widget's callback run.
+   * `value` may be a function of the widget's value. Other values (a linked input) change nothing. */
+  edit(at, field, value) {
     const w = this.widget(inputName(field, at + 1))
-    const v = strengthValue(text)
-    if (!w || v === null || this.isLinked(w.name)) {
-      this.render()
-      return
+    if (w && !this.isLinked(w.name)) {
+      this.change(() => {
+        w.value = typeof value === 'function' ? value(w.value) : value
+        w.callback?.(w.value, undefined, this.node)
+      })
     }
-    const value = Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, Math.round(v * 1000) / 1000))
-    this.change(() => {
-      w.value = value
-      w.callback?.(value, undefined, this.node)
-    })
     this.render()
     this.node.setDirtyCanvas(true, true)
+  }
+
+  /** A strength typed or dragged on a row's line: a number or a decimal text, kept within the widget's range. Other
+   * text changes nothing. */
+  setStrength(at, field, text) {
+    const v = strengthValue(text)
+    if (v === null) this.render()
+    else this.edit(at, field, Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, Math.round(v * 1000) / 1000)))
   }
 
   /** The row's menu (a right-click on its line): show one of its inputs as a socket, to link a node to it. */
@@ -233,6 +246,12 @@ export class RowsController {
         callback: () => this.expose(name, !shown),
       }
     })
+    if (this.paired()) {
+      const low = this.get(inputName('lora_low', at + 1))
+      items.push(null, { content: `Pick row ${at + 1}'s low-noise file…`, callback: () => this.pick(at, 'lora_low') },
+        { content: `${low === AUTO ? '✓ ' : ''}Row ${at + 1}'s low-noise file: its partner by name (auto)`,
+          disabled: low === AUTO, callback: () => this.edit(at, 'lora_low', AUTO) })
+    }
     this.services.menu(items, event)
   }
 
@@ -345,6 +364,7 @@ export class RowsController {
     this.panel.element.dataset.multiloraNode = String(this.node.id)
     const status = this.services.status()
     const single = this.singleStrength()
+    const paired = this.paired()
     const view = this.rows().map((row, j) => {
       const lora = row.lora !== NONE ? row.lora : ''
       const info = lora ? this.services.info(lora) : null
@@ -362,19 +382,22 @@ export class RowsController {
         badges: rowBadges,
         mark: mark(rowBadges, meta),
         meta,
+        pair: paired ? { target: targetOf(row), low: lowView(row, info) } : null,
       }
     })
     const notice = this.dropped
       ? `⚠ ${this.dropped} saved row${this.dropped === 1 ? '' : 's'} did not fit: this version holds ${this.capacity}`
       : ''
     const allOn = !toggleAllValue(this.rows())
-    this.panel.render({ rows: view, single, canAdd: this.count < this.capacity, cache: cacheLine(status), notice, allOn })
+    const width = paired ? PAIRED_WIDTH : MIN_WIDTH
+    if (this.node.size[0] < width) this.node.setSize([width, this.node.size[1]])
+    this.panel.render({ rows: view, single, paired, canAdd: this.count < this.capacity, cache: cacheLine(status), notice, allOn })
     this.shown = this.shownKey()
   }
 
   /** What the panel shows, as text: the mode and the rows in use. */
   shownKey() {
-    return JSON.stringify([this.singleStrength(), this.rows()])
+    return JSON.stringify([this.singleStrength(), this.paired(), this.rows()])
   }
 
   /** Called as the node is drawn: catch up with a change that reached no callback, as an edit through a widget

@@ -171,7 +171,7 @@ export const PICKER_FIELDS = {
   LoRAStack: /^lora_name$/,
   DistillFuse: /^lora_name$/,
   LoRAStackRows: /^lora_\d+$/,
-  MultiLoRARows: /^lora_\d+$/,
+  MultiLoRARows: /^lora_(low_)?\d+$/,
 }
 
 /** Whether widget `name` of a node of class `type` is a LoRA field that opens the picker. */

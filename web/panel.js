@@ -4,7 +4,9 @@
  * A header with a switch for all rows, how many are on and the strength columns' captions; per row a grip to drag it,
  * its toggle, the LoRA's name (a click opens the picker), a status mark (the detail on hover), its strength (model and
  * clip side by side when single_strength is off: drag one sideways, or click it and type), ▲▼ and ✕; then
- * "+ Add LoRA", the cache line and ↻.
+ * "+ Add LoRA", the cache line and ↻. With Wan 2.2's model_low linked, a row also shows its target (H+L, H, L: a
+ * click moves to the next) and its low-noise file (its partner by name, the file it names, or "= same file"; a click
+ * opens the picker).
  * It only draws a view and reports what the user did; the controller owns the node and its widgets.
  */
 
@@ -64,6 +66,7 @@ function rowElement(view, count) {
   mark.dataset.kinds = view.badges.map((b) => b.kind).join(' ')
   mark.dataset.meta = view.meta.line
   mark.title = view.mark.title
+  const pairParts = view.pair ? pairElements(view) : []
   const nums = el('span', 'mlora-nums')
   nums.append(strengthElement(view, 'strength_model', view.strengths.strength_model))
   if (!view.single) nums.append(strengthElement(view, 'strength_clip', view.strengths.strength_clip))
@@ -71,8 +74,26 @@ function rowElement(view, count) {
   up.disabled = view.row === 1
   const down = button('down', '▼', 'Move down')
   down.disabled = view.row === count
-  row.append(grip, toggle, name, mark, nums, up, down, button('remove', '✕', 'Remove this row'))
+  row.append(grip, toggle, name, mark, ...pairParts, nums, up, down, button('remove', '✕', 'Remove this row'))
   return row
+}
+
+const TARGET_TEXT = { both: 'H+L', high: 'H', low: 'L' }
+const TARGET_TITLE = {
+  both: 'goes to both models: click for the high-noise model (model) only',
+  high: 'goes to the high-noise model (model) only: click for the low-noise model only',
+  low: 'goes to the low-noise model (model_low) only: click for both models',
+}
+
+/** A paired row's target button and its low-noise file. */
+function pairElements(view) {
+  const target = button('target', TARGET_TEXT[view.pair.target], `Row ${view.row} ${TARGET_TITLE[view.pair.target]}`)
+  target.dataset.target = view.pair.target
+  const low = button('pickLow', view.pair.low.text, view.pair.low.title || `Row ${view.row}'s low-noise file`)
+  low.classList.add('mlora-low')
+  low.dataset.kind = view.pair.low.kind
+  low.disabled = !view.lora
+  return [target, low]
 }
 
 /** Typing a strength: an input in place of the number; Enter or leaving it commits, Esc cancels. */

@@ -31,6 +31,17 @@ button.mlora-name:hover:not(:disabled) { text-decoration: underline; }
 .mlora-mark[data-kind="partial"] { color: #ffa726; }
 .mlora-mark[data-kind="masked"] { color: #ba68c8; }
 .mlora-mark[data-kind="error"] { color: var(--error-text, #ff6b6b); }
+.mlora-row button.mlora-target { flex: none; width: 26px; height: 16px; padding: 0; border-radius: 3px;
+  border: 1px solid var(--border-color, #555); background: var(--comfy-menu-bg, #333); color: inherit;
+  font: 10px/14px sans-serif; cursor: pointer; }
+.mlora-row button.mlora-target[data-target="both"] { color: #4caf50; }
+button.mlora-low { flex: 1 1 auto; min-width: 0; max-width: 45%; height: 18px; padding: 0 2px; border: 0;
+  background: none; color: var(--descrip-text, #bbb); font: 11px/18px sans-serif; text-align: left; overflow: hidden;
+  white-space: nowrap; text-overflow: ellipsis; cursor: pointer; }
+button.mlora-low:hover:not(:disabled) { text-decoration: underline; }
+button.mlora-low[data-kind="named"] { color: inherit; font-weight: 600; }
+button.mlora-low[data-kind="same"], button.mlora-low[data-kind="loading"] { font-style: italic; }
+button.mlora-low[data-kind="error"] { color: var(--error-text, #ff6b6b); }
 .mlora-nums { flex: none; display: flex; gap: 2px; }
 .mlora-num { box-sizing: border-box; width: 40px; height: 16px; border-radius: 3px; text-align: center;
   font: 11px/16px monospace; background: var(--comfy-menu-bg, #333); cursor: ew-resize; user-select: none;

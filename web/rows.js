@@ -2,8 +2,10 @@
  * The row model of the LoRAStackRows node. Pure: no DOM and no ComfyUI import, so that
  * `node --test web/tests/` runs it.
  *
- * A row is {enabled, lora, strength_model, strength_clip}. Row i (1-based) lives in the node's
- * declared inputs enabled_i, lora_i, strength_model_i and strength_clip_i (nodes/rows.py).
+ * A row is {enabled, lora, strength_model, strength_clip, target, lora_low}. Row i (1-based) lives in the node's
+ * declared inputs enabled_i, lora_i, strength_model_i and strength_clip_i (nodes/rows.py); a MultiLoRARows node
+ * also declares target_i and lora_low_i, its Wan 2.2 pairing (nodes/multi_rows.py), which the prompt carries only
+ * with model_low linked.
  *
  * A saved workflow holds the rows twice: LiteGraph's positional `widgets_values`, and, by name,
  * a snapshot in `properties[SNAPSHOT_KEY]` = {v, single_strength, rows: [...]}. On load the
@@ -14,13 +16,19 @@
 
 export const NONE = 'None'
 export const FIELDS = Object.freeze(['enabled', 'lora', 'strength_model', 'strength_clip'])
+export const PAIR_FIELDS = Object.freeze(['target', 'lora_low'])
+export const ALL_FIELDS = Object.freeze([...FIELDS, ...PAIR_FIELDS])
+export const TARGETS = Object.freeze(['both', 'high', 'low'])
+export const AUTO = 'auto' // a row's low file: its partner by name, else its own file
 export const SNAPSHOT_KEY = 'multilora_rows'
 export const SNAPSHOT_VERSION = 1
 export const STRENGTH_MIN = -100
 export const STRENGTH_MAX = 100
 export const DEFAULT_ROW = Object.freeze({ enabled: true, lora: NONE, strength_model: 1, strength_clip: 1 })
+// A row's pairing, where a row holds none of its own (a row object carries only what differs from it).
+export const DEFAULT_PAIR = Object.freeze({ target: 'both', lora_low: AUTO })
 
-const NAME_RE = /^(enabled|lora|strength_model|strength_clip)_([1-9]\d*)$/
+const NAME_RE = /^(enabled|lora|strength_model|strength_clip|target|lora_low)_([1-9]\d*)$/
 
 export const inputName = (field, row) => `${field}_${row}`
 
@@ -37,7 +45,7 @@ export function rowCapacity(names) {
   const seen = new Map()
   for (const name of names) {
     const p = parseInputName(name)
-    if (p) seen.set(p.row, (seen.get(p.row) ?? 0) + 1)
+    if (p && FIELDS.includes(p.field)) seen.set(p.row, (seen.get(p.row) ?? 0) + 1)
   }
   let n = 0
   while (seen.get(n + 1) === FIELDS.length) n++
@@ -73,6 +81,10 @@ export function cleanRow(raw) {
     const v = strengthValue(raw[f])
     if (v !== null) row[f] = Math.min(STRENGTH_MAX, Math.max(STRENGTH_MIN, v))
   }
+  if (TARGETS.includes(raw.target) && raw.target !== DEFAULT_PAIR.target) row.target = raw.target
+  if (typeof raw.lora_low === 'string' && raw.lora_low.trim() && ![NONE, AUTO].includes(raw.lora_low)) {
+    row.lora_low = raw.lora_low
+  }
   return row
 }
 
@@ -81,7 +93,7 @@ export function readRows(get, count) {
   const rows = []
   for (let i = 1; i <= count; i++) {
     const raw = {}
-    for (const f of FIELDS) raw[f] = get(inputName(f, i))
+    for (const f of ALL_FIELDS) raw[f] = get(inputName(f, i))
     rows.push(cleanRow(raw))
   }
   return rows
@@ -91,8 +103,8 @@ export function readRows(get, count) {
 export function rowValues(rows, capacity) {
   const out = {}
   for (let i = 1; i <= capacity; i++) {
-    const row = i <= rows.length ? cleanRow(rows[i - 1]) : defaultRow()
-    for (const f of FIELDS) out[inputName(f, i)] = row[f]
+    const row = { ...DEFAULT_PAIR, ...(i <= rows.length ? cleanRow(rows[i - 1]) : defaultRow()) }
+    for (const f of ALL_FIELDS) out[inputName(f, i)] = row[f]
   }
   return out
 }
@@ -153,11 +165,13 @@ export function applyOrder(rows, order) {
 }
 
 /** Whether the API prompt carries this input: every row in use does, rows beyond `count` do not,
- * and neither do clip strengths in single-strength mode (the server uses the model strength). */
-export function inPrompt(name, count, singleStrength) {
+ * and neither do clip strengths in single-strength mode (the server uses the model strength), nor a row's
+ * pairing unless `paired` (model_low linked: the server reads it only then). */
+export function inPrompt(name, count, singleStrength, paired = false) {
   const p = parseInputName(name)
   if (!p) return true
   if (p.row > count) return false
+  if (PAIR_FIELDS.includes(p.field)) return paired
   return !(singleStrength && p.field === 'strength_clip')
 }
 
@@ -169,13 +183,13 @@ export function promptValue(field, row, value) {
 }
 
 /** The inputs that the rows put into the API prompt (the documented API format). */
-export function promptInputs(rows, singleStrength) {
+export function promptInputs(rows, singleStrength, paired = false) {
   const out = { single_strength: !!singleStrength }
   rows.forEach((raw, j) => {
-    const row = cleanRow(raw)
-    for (const f of FIELDS) {
+    const row = { ...DEFAULT_PAIR, ...cleanRow(raw) }
+    for (const f of paired ? ALL_FIELDS : FIELDS) {
       const name = inputName(f, j + 1)
-      if (inPrompt(name, rows.length, singleStrength)) out[name] = promptValue(f, row, row[f])
+      if (inPrompt(name, rows.length, singleStrength, paired)) out[name] = promptValue(f, row, row[f])
     }
   })
   return out
@@ -208,4 +222,33 @@ export function promptText(rows, singleStrength) {
 /** What "toggle all" sets every row's switch to: off while any row with a LoRA is on, else on. */
 export function toggleAllValue(rows) {
   return !rows.map(cleanRow).some((r) => r.enabled && r.lora !== NONE)
+}
+
+/** The next target of a row's target button: both, then high, then low. */
+export function nextTarget(target) {
+  return TARGETS[(TARGETS.indexOf(target) + 1) % TARGETS.length]
+}
+
+/** A row's target: both, high or low. */
+export const targetOf = (row) => cleanRow(row).target ?? DEFAULT_PAIR.target
+
+/** What a paired row shows of its low-noise side: {text, title, kind}. `info` is the row's LoRA's metadata (its
+ * `pair` from the server: {high, low}, {} or {error}), null while it loads. */
+export function lowView(row, info) {
+  const r = { ...DEFAULT_PAIR, ...cleanRow(row) }
+  const target = { both: 'both models', high: 'the high-noise model only', low: 'the low-noise model only' }[r.target]
+  if (r.lora === NONE) return { text: '', title: '', kind: 'empty' }
+  if (r.lora_low !== AUTO) {
+    return { text: r.lora_low, title: `${r.lora} → model, ${r.lora_low} → model_low; on ${target}`, kind: 'named' }
+  }
+  const pair = info?.pair
+  if (pair?.error) return { text: '⚠ no pair', title: pair.error, kind: 'error' }
+  if (pair?.high && pair?.low) {
+    const other = pair.high === r.lora ? pair.low : pair.high
+    return { text: other, title: `${pair.high} → model, ${pair.low} → model_low (paired by name); on ${target}`,
+      kind: 'paired' }
+  }
+  if (!info) return { text: '…', title: 'Looking for its partner', kind: 'loading' }
+  return { text: '= same file', title: `${r.lora} has no partner by name: the same file goes to ${target}`,
+    kind: 'same' }
 }

@@ -41,6 +41,12 @@ def finished(server, prompt_id: str, tries: int = 5) -> dict:
     raise AssertionError("unreachable")
 
 
+def texts(server, prompt) -> dict:
+    """{node id: text} of the PreviewAny nodes of `prompt`, after running it."""
+    entry = finished(server, server.post_prompt(prompt))
+    return {k: v["text"][0] for k, v in entry["outputs"].items() if "text" in v}
+
+
 def one(server, prompt) -> np.ndarray:
     images = server.images_of(finished(server, server.post_prompt(prompt)))
     assert len(images) == 1

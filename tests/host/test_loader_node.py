@@ -15,19 +15,13 @@ from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
 from . import workflows as wf
 from .conftest import own_copy
-from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, finished, fp32_text_encoder_server,
-                            graph, multi_rows, one, rows_inputs)
+from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, fp32_text_encoder_server,
+                            graph, multi_rows, one, rows_inputs, texts)
 
 pytestmark = pytest.mark.host
 
 EXTRA = 13  # LoRAs made for the 16-row test, beside the three standard ones
 ROW_FIELDS = ("enabled", "lora", "strength_model", "strength_clip")
-
-
-def texts(server, prompt) -> dict:
-    """{node id: text} of the PreviewAny nodes of `prompt`, after running it."""
-    entry = finished(server, server.post_prompt(prompt))
-    return {k: v["text"][0] for k, v in entry["outputs"].items() if "text" in v}
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +37,14 @@ def fp32_server(server, tmp_path_factory):
 def test_nodes_declare_the_documented_contract(server):
     info = server.object_info()
     rows = info["MultiLoRARows"]
-    assert rows["output"] == ["MODEL", "CLIP", "LORA_STACK", "STRING", "STRING"]
-    assert rows["output_name"] == ["MODEL", "CLIP", "LORA_STACK", "trigger_words", "lora_hashes"]
+    # New outputs and inputs go after the old ones: a saved workflow's links and widget values keep their places.
+    assert rows["output"] == ["MODEL", "CLIP", "LORA_STACK", "STRING", "STRING", "MODEL"]
+    assert rows["output_name"] == ["MODEL", "CLIP", "LORA_STACK", "trigger_words", "lora_hashes", "MODEL_LOW"]
     assert list(rows["input"]["required"]) == ["model"]
     optional = list(rows["input"]["optional"])
     assert optional[:4] == ["clip", "lora_stack", "max_loras", "single_strength"]
-    assert optional[4:] == [f"{f}_{i}" for i in range(1, 65) for f in ROW_FIELDS]
+    assert optional[4:260] == [f"{f}_{i}" for i in range(1, 65) for f in ROW_FIELDS]
+    assert optional[260:] == ["model_low"] + [f"{f}_{i}" for i in range(1, 65) for f in ("target", "lora_low")]
     assert rows["input"]["optional"]["max_loras"][1]["default"] == 0
     prompt = info["LoRAStackFromPrompt"]
     assert prompt["output"] == ["STRING", "LORA_STACK"] and list(prompt["input"]["required"]) == ["text"]

@@ -68,6 +68,8 @@ ROWS_STATE = """({node}) => {
         mark: m.dataset.kind, kinds: m.dataset.kinds ? m.dataset.kinds.split(' ') : [], meta: m.dataset.meta,
         detail: m.title,
         strengths: [...r.querySelectorAll('.mlora-num')].map((e) => e.textContent),
+        low: r.querySelector('.mlora-low')?.textContent ?? null, lowKind: r.querySelector('.mlora-low')?.dataset.kind,
+        lowTitle: r.querySelector('.mlora-low')?.title, target: r.querySelector('.mlora-target')?.dataset.target,
         height: r.getBoundingClientRect().height / app.canvas.ds.scale,
       }
     }),
@@ -180,12 +182,16 @@ def drag_row(b, node_id: int, row: int, to: int) -> None:
 
 def show_socket(b, node_id: int, row: int, label: str) -> None:
     """Right-click a row's line and choose "Show row N's <label> as an input socket"."""
+    row_menu(b, node_id, row, f"Show row {row}'s {label} as an input socket")
+
+
+def row_menu(b, node_id: int, row: int, entry: str) -> None:
+    """Right-click a row's line and choose the entry `entry` of its menu."""
     x, y = row_point(b, node_id, row, ".mlora-mark")
     b.call("mouse", action="rclick", x=x, y=y)
-    entry = f"Show row {row}'s {label} as an input socket"
     b.wait_for("(t) => [...document.querySelectorAll('.litemenu-entry')].some((e) => e.textContent === t)", entry,
                timeout_s=10)
-    b.click(f".litemenu-entry:text-is({json.dumps(entry)})")
+    b.click(f".litemenu-entry:text-is({json.dumps(entry, ensure_ascii=False)})")
     settle(b)
 
 

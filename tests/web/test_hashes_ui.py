@@ -1,6 +1,6 @@
-"""A UI workflow saved before MultiLoRARows had its `lora_hashes` output (four outputs) loads in ComfyUI's frontend
-with its links on the same outputs and the fifth output added, and the prompt it queues runs; the new output can be
-linked like any STRING."""
+"""A UI workflow saved before MultiLoRARows had its `lora_hashes` output (four outputs) and Wan 2.2's `model_low`
+loads in ComfyUI's frontend with its links on the same outputs and the new outputs added after them, and the prompt
+it queues runs; the new output can be linked like any STRING."""
 
 from __future__ import annotations
 
@@ -45,11 +45,12 @@ def test_a_workflow_saved_with_four_outputs_keeps_its_links_and_gets_the_fifth(b
     old = saved_before()
     P.load_graph(b, old)
     assert b.js(OUTPUTS) == [["MODEL", "MODEL", 1], ["CLIP", "CLIP", 2], ["LORA_STACK", "LORA_STACK", 0],
-                             ["trigger_words", "STRING", 1], ["lora_hashes", "STRING", 0]]
+                             ["trigger_words", "STRING", 1], ["lora_hashes", "STRING", 0], ["MODEL_LOW", "MODEL", 0]]
     prompt = b.js(PROMPT)
     rows = next(k for k, v in prompt.items() if v["class_type"] == "MultiLoRARows")
     concat = next(v for v in prompt.values() if v["class_type"] == "StringConcatenate")
     assert concat["inputs"]["string_b"] == [rows, 3]  # still the trigger words
+    assert not [k for k in prompt[rows]["inputs"] if k.startswith(("target_", "lora_low_", "model_low"))]
     finished(web_server, web_server.post_prompt(prompt))
     # The new output, linked where the trigger words were, queues index 4.
     b.js("""() => { const g = app.graph, n = g.nodes.find((n) => n.type === 'MultiLoRARows')

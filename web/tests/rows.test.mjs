@@ -2,9 +2,9 @@ import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
 import {
-  DEFAULT_ROW, NONE, SNAPSHOT_KEY, SNAPSHOT_VERSION, applyOrder, booleanValue, cleanRow, inPrompt, inferCount, inputName,
+  ALL_FIELDS, AUTO, DEFAULT_ROW, NONE, SNAPSHOT_KEY, SNAPSHOT_VERSION, applyOrder, booleanValue, cleanRow, inPrompt, inferCount, inputName,
   makeSnapshot, orderAfterAdd, orderAfterMove, orderAfterRemove, parseInputName, promptInputs, readRows,
-  readSnapshot, rowCapacity, rowValues, stackEntries,
+  lowView, nextTarget, readSnapshot, rowCapacity, rowValues, stackEntries,
 } from '../rows.js'
 
 const row = (lora, sm = 1, sc = sm, enabled = true) => ({ enabled, lora, strength_model: sm, strength_clip: sc })
@@ -73,7 +73,7 @@ test('a toggle saved as text or a number reads as the boolean the server reads, 
 
 test('rows read back what rowValues wrote, and unused rows hold defaults', () => {
   const values = rowValues([A, B], 4)
-  assert.equal(Object.keys(values).length, 16)
+  assert.equal(Object.keys(values).length, 4 * ALL_FIELDS.length)
   assert.deepEqual(readRows((n) => values[n], 2), [A, B])
   assert.deepEqual(readRows((n) => values[n], 4).slice(2), [DEFAULT_ROW, DEFAULT_ROW])
 })
@@ -134,4 +134,42 @@ test('stack entries: what the server builds from the rows (nodes/rows.py row_ent
   assert.deepEqual(stackEntries([A, B, row(NONE), C], false),
     [['a.safetensors', 0.8, 0.5], ['c.safetensors', 1.3, 0]])
   assert.deepEqual(stackEntries([A, C], true), [['a.safetensors', 0.8, 0.8], ['c.safetensors', 1.3, 1.3]])
+})
+
+test('a Wan 2.2 row: its target and low file round-trip, and the prompt carries them only when paired', () => {
+  const H = { ...row('wan/style_high_noise.safetensors', 0.7), target: 'high', lora_low: 'wan/other.safetensors' }
+  assert.deepEqual(cleanRow(H), H)
+  assert.deepEqual(cleanRow({ ...A, target: 'both', lora_low: AUTO }), A, 'the defaults are not carried')
+  assert.deepEqual(cleanRow({ ...A, target: 'sideways', lora_low: '' }), A)
+  const values = rowValues([A, H], 2)
+  assert.equal(values.target_1, 'both')
+  assert.equal(values.lora_low_1, AUTO)
+  assert.deepEqual(readRows((n) => values[n], 2), [A, H])
+  assert.equal(rowCapacity([...declaredNames(3), 'target_1', 'lora_low_1', 'target_2', 'lora_low_2']), 3)
+  assert.equal(inPrompt('target_2', 2, false), false)
+  assert.equal(inPrompt('lora_low_2', 2, false, true), true)
+  assert.equal(inPrompt('lora_low_3', 2, false, true), false)
+  assert.deepEqual(Object.keys(promptInputs([A], false)).sort(),
+    ['enabled_1', 'lora_1', 'single_strength', 'strength_clip_1', 'strength_model_1'])
+  const paired = promptInputs([A, H], false, true)
+  assert.equal(paired.target_1, 'both')
+  assert.equal(paired.lora_low_1, AUTO)
+  assert.equal(paired.target_2, 'high')
+  assert.equal(paired.lora_low_2, 'wan/other.safetensors')
+  assert.deepEqual(['both', 'high', 'low'].map(nextTarget), ['high', 'low', 'both'])
+})
+
+test('lowView: the partner, the named file, the same file, or the reason there is no pair', () => {
+  const high = row('wan/style_high_noise.safetensors')
+  const low = row('wan/style_low_noise.safetensors')
+  const pair = { pair: { high: high.lora, low: low.lora } }
+  assert.equal(lowView(high, pair).text, low.lora)
+  assert.equal(lowView(high, pair).kind, 'paired')
+  assert.equal(lowView(low, pair).text, high.lora, 'a row naming the low file shows its high partner')
+  assert.equal(lowView({ ...high, lora_low: 'x.safetensors' }, pair).kind, 'named')
+  assert.equal(lowView(A, { pair: {} }).kind, 'same')
+  assert.equal(lowView(A, null).kind, 'loading')
+  const refused = lowView(A, { pair: { error: 'two candidates' } })
+  assert.deepEqual([refused.kind, refused.title], ['error', 'two candidates'])
+  assert.equal(lowView(row(NONE), pair).kind, 'empty')
 })
