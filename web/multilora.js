@@ -24,6 +24,7 @@ const controllers = new Set()
 const infos = new Map() // LoRA name -> info from /multilora/lora_info (null while it loads)
 let status = null
 let statusRequest = null
+let statusAgain = false // a read was asked for while one was under way
 
 function renderAll() {
   for (const c of controllers) {
@@ -39,8 +40,15 @@ async function getJson(path) {
   return body
 }
 
+/** Read the status again. A call while a read is under way reads once more after it: that read may have been
+ * answered before what the call reports (the slots released by "Unload models" while the status of the prompt that
+ * just ran was being read), and its answer would stand until the next prompt. */
 function refreshStatus() {
-  statusRequest ??= getJson('/multilora/status')
+  if (statusRequest) {
+    statusAgain = true
+    return statusRequest
+  }
+  statusRequest = getJson('/multilora/status')
     .then((s) => {
       status = s.error ? null : s
       // The server answers again: metadata that failed to arrive (a network error, not the file's own) is asked again.
@@ -52,6 +60,10 @@ function refreshStatus() {
     .finally(() => {
       statusRequest = null
       renderAll()
+      if (statusAgain) {
+        statusAgain = false
+        refreshStatus()
+      }
     })
   return statusRequest
 }
