@@ -20,6 +20,7 @@ from ..lora_engine.regions import Region
 from ..lora_engine.schedule import Schedule
 
 from . import bridge
+from .pairs import AUTO, TARGETS
 
 STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
 CATEGORY = "loaders/multilora"
@@ -189,7 +190,7 @@ def finite_strength(v: object, field: str, name: str) -> float:
     return float(v)
 
 
-FIELDS = {"name", "strength_model", "strength_clip", "enabled"}
+FIELDS = {"name", "strength_model", "strength_clip", "enabled", "target", "lora_low"}
 
 
 def parse_json_stack(text: str) -> list[Entry]:
@@ -229,7 +230,15 @@ def parse_json_stack(text: str) -> list[Entry]:
         enabled = obj.get("enabled", True)
         if not isinstance(enabled, bool):
             raise StackError(f"{where} ({name}): field \"enabled\" must be true or false, got {shown(enabled)}")
-        if enabled:
+        # A rows preset's Wan 2.2 pairing (web/presets.js): the stack is the high-noise model's, as MultiLoRARows'
+        # LORA_STACK output is; an entry for the low-noise model alone is not in it.
+        target, low = obj.get("target", "both"), obj.get("lora_low", AUTO)
+        if target not in TARGETS:
+            raise StackError(f"{where} ({name}): field \"target\" must be one of {', '.join(TARGETS)}, "
+                             f"got {shown(target)}")
+        if not isinstance(low, str):
+            raise StackError(f"{where} ({name}): field \"lora_low\" must be a LoRA file name, got {shown(low)}")
+        if enabled and target != "low":
             out.append(Entry(name, float(sm), float(sc)))
     return out
 
@@ -237,7 +246,8 @@ def parse_json_stack(text: str) -> list[Entry]:
 class LoRAStackFromJSON:
     DESCRIPTION = ('A whole stack in one STRING, for API users: {"name": ..., "strength_model": ..., '
                    '"strength_clip": ..., "enabled": ...} or a list of such objects. A missing strength_model is '
-                   "1.0; a missing strength_clip equals strength_model; a missing enabled is true.")
+                   "1.0; a missing strength_clip equals strength_model; a missing enabled is true. A rows preset's "
+                   "file (saved from a rows node's menu) is such a list.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("LORA_STACK",)
     RETURN_NAMES = ("lora_stack",)

@@ -1,6 +1,6 @@
 /**
  * The pack's frontend extension: rows, status and metadata on LoRAStackRows and MultiLoRARows nodes, their
- * "Copy LoRAs as A1111 prompt tags" menu entry, "Convert to Multi-LoRA Loader" on LoRA loader chains, and the LoRA
+ * "Copy LoRAs as A1111 prompt tags" and preset menu entries (preset_menu.js), "Convert to Multi-LoRA Loader" on LoRA loader chains, and the LoRA
  * picker that every LoRA field of the pack's nodes opens (library.js PICKER_FIELDS): a click on the field's middle in
  * the canvas (its arrows still step through the files), or on the field in the Vue node renderer ("Nodes 2.0").
  *
@@ -17,6 +17,7 @@ import { ChainError, isConvertible } from './chain.js'
 import { RowsController } from './controller.js'
 import { convertChain, sizeSettled } from './convert.js'
 import { PickerFields } from './fields.js'
+import { PresetMenu } from './preset_menu.js'
 
 const NODE_CLASSES = ['LoRAStackRows', 'MultiLoRARows']
 
@@ -96,6 +97,7 @@ const services = {
 }
 
 const picker = new PickerFields(app, api, services)
+const presets = new PresetMenu({ api, dialog: () => app.extensionManager?.dialog ?? null, toast })
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager?.toast
@@ -128,7 +130,7 @@ function nodeMenuItems(node) {
         await copyText(text)
         toast('info', 'Copied', text || 'no enabled row names a LoRA')
       },
-    }]
+    }, ...presets.items(node.multiloraRows)]
   }
   if (!isConvertible(node.type)) return []
   return [{
@@ -174,6 +176,7 @@ app.registerExtension({
       toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', e.detail?.message ?? '')
     })
     refreshStatus()
+    presets.refresh()
     picker.interceptVueSelects()
   },
 

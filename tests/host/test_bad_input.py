@@ -194,6 +194,8 @@ VALIDATION_ERRORS = [
                                      LOADER: {**o[LOADER], "inputs": {**o[LOADER]["inputs"],
                                                                        "lora_stack": ["40", 0]}}},
      "nope.safetensors"),
+    ("json target of no model", lambda o: json_stack(o, json.dumps([{"name": GOOD, "target": "middle"}]), linked=False),
+     'field "target" must be one of both, high, low'),
     ("json nested too deeply", lambda o: json_stack(o, DEEP_JSON, linked=False), "not valid JSON: nested too deeply"),
     ("json integer of 5000 digits", lambda o: json_stack(o, LONG_INT, linked=False),
      "not valid JSON: a number has more digits"),

@@ -298,6 +298,17 @@ def test_a_lora_listed_more_than_once_takes_one_slot_at_the_sum_of_its_strengths
     assert max(b["max_loras"] for b in banks) == held, [(b["model"], b["max_loras"]) for b in banks]
 
 
+def test_a_rows_presets_pairing_is_read_and_an_entry_for_the_low_noise_model_alone_left_out(server, ours):
+    """A rows preset (docs/loader.md#presets) in LoRAStackFromJSON: `target` high or both keeps an entry, `lora_low`
+    is the low-noise model's and changes nothing here, and an entry targeted low is not in the stack."""
+    plain = json.loads(stack_as(ours, "LoRAStackFromJSON")["40"]["inputs"]["stack_json"])
+    preset = [dict(e, target="high" if i else "both", lora_low=NAMES[-1]) for i, e in enumerate(plain)]
+    preset.insert(1, {"name": NAMES[0], "strength_model": 2.0, "enabled": True, "target": "low"})
+    p = stack_as(ours, "LoRAStackFromJSON")
+    p["40"]["inputs"]["stack_json"] = json.dumps(preset)
+    assert np.array_equal(one(server, p), one(server, ours))
+
+
 def stack_as(prompt: dict, kind: str) -> dict:
     """`prompt` with its chain of LoRAStack nodes made into one node of `kind` holding the same entries."""
     if kind == "LoRAStack":

@@ -38,6 +38,12 @@ SLOT_POINT = """({node, input, name}) => {
   return toClient(n.getConnectionPos(input, index))
 }"""
 
+NODE_POINT = """({node, dx, dy}) => {
+  """ + TO_CLIENT + """
+  const n = app.graph.getNodeById(node)
+  return toClient([n.pos[0] + dx, n.pos[1] + dy])
+}"""
+
 NODE_RECT = """({node, margin}) => {
   """ + TO_CLIENT + """
   const n = app.graph.getNodeById(node)
@@ -282,3 +288,21 @@ def queue_from_ui(b, timeout_s: float = 600.0) -> str:
                       "&& window.__multiloraRuns[window.__multiloraSeen]", timeout_s=timeout_s)
     assert done["event"] == "execution_success", f"the queued prompt ended with {done}"
     return done["id"]
+
+
+# The menu entry whose text is `entry`, once the menu shows it.
+MENU_ENTRY = """(entry) => [...document.querySelectorAll('.litemenu-entry, [role=menuitem], .p-contextmenu-item')]
+  .some((e) => e.textContent.trim() === entry && e.getBoundingClientRect().width > 0)"""
+
+
+def node_menu(b, node_id: int, entry: str, artifacts=None) -> None:
+    """Right-click a node's title and choose `entry` in its menu."""
+    x, y = b.js(NODE_POINT, {"node": node_id, "dx": 30, "dy": -10})
+    b.call("mouse", action="rclick", x=x, y=y)
+    try:
+        b.wait_for(MENU_ENTRY, entry, timeout_s=10)
+    finally:
+        if artifacts is not None:
+            b.call("screenshot", path=str(artifacts / "loader_node_menu.png"))
+    b.click(f"text=\"{entry}\"")
+    settle(b)

@@ -29,12 +29,6 @@ CLASS = "MultiLoRARows"
 STOCK = "LoraLoader"
 CHAIN = THREE  # the example's three LoRAs and strengths
 
-NODE_POINT = """({node, dx, dy}) => {
-  """ + P.TO_CLIENT + """
-  const n = app.graph.getNodeById(node)
-  return toClient([n.pos[0] + dx, n.pos[1] + dy])
-}"""
-
 # Every node on the canvas: type, mode and the origin of each linked input as [type, origin slot].
 GRAPH = """() => app.graph.nodes.map((n) => ({
   id: n.id, type: n.type,
@@ -62,24 +56,6 @@ def ui(browser, web_server):
       }
     }""")
     return {}
-
-
-# The menu entry whose text is `entry`, once the menu shows it.
-MENU_ENTRY = """(entry) => [...document.querySelectorAll('.litemenu-entry, [role=menuitem], .p-contextmenu-item')]
-  .some((e) => e.textContent.trim() === entry && e.getBoundingClientRect().width > 0)"""
-
-
-def node_menu(b, node_id: int, entry: str, artifacts=None) -> None:
-    """Right-click a node's title and choose `entry` in its menu."""
-    x, y = b.js(NODE_POINT, {"node": node_id, "dx": 30, "dy": -10})
-    b.call("mouse", action="rclick", x=x, y=y)
-    try:
-        b.wait_for(MENU_ENTRY, entry, timeout_s=10)
-    finally:
-        if artifacts is not None:
-            b.call("screenshot", path=str(artifacts / "loader_node_menu.png"))
-    b.click(f"text=\"{entry}\"")
-    P.settle(b)
 
 
 def nodes_of(b, type_: str) -> list[int]:
@@ -242,7 +218,7 @@ def test_a_chain_of_three_loaders_converts_undoes_and_converts_again(ui, browser
     depth = tracked["undo"]
     b.call("screenshot", path=str(artifacts / "loader_chain_before.png"))
 
-    node_menu(b, loaders[1], "Convert to Multi-LoRA Loader", artifacts)  # the chain through the clicked node
+    P.node_menu(b, loaders[1], "Convert to Multi-LoRA Loader", artifacts)  # the chain through the clicked node
     (node,) = nodes_of(b, CLASS)
     assert nodes_of(b, STOCK) == []
     s = P.state(b, node)
@@ -281,7 +257,7 @@ def test_a_chain_of_three_loaders_converts_undoes_and_converts_again(ui, browser
     press_on_canvas(b, "Control+z", STOCK)
     assert same_graph(b, before)
     b.js("(ids) => app.canvas.selectNodes(ids.map((id) => app.graph.getNodeById(id)))", nodes_of(b, STOCK))
-    node_menu(b, nodes_of(b, STOCK)[0], "Convert to Multi-LoRA Loader")
+    P.node_menu(b, nodes_of(b, STOCK)[0], "Convert to Multi-LoRA Loader")
     (node,) = nodes_of(b, CLASS)
     assert P.state(b, node)["rows"] == s["rows"]
     check_placement(b, node, rects_before, first_pos)
@@ -316,7 +292,7 @@ def test_copy_as_text_reads_back_as_the_same_stack(ui, browser, web_server):
     b, node = browser, rows_node(ui)
     b.js("(id) => { const w = app.graph.getNodeById(id).widgets.find((w) => w.name === 'strength_clip_2'); "
          "w.value = 0.5; w.callback?.(0.5) }", node)
-    node_menu(b, node, "Copy LoRAs as A1111 prompt tags")
+    P.node_menu(b, node, "Copy LoRAs as A1111 prompt tags")
     text = b.wait_for("() => window.__multiloraCopied.at(-1)", timeout_s=10)
     stems = [n.removesuffix(".safetensors") for n, _, _ in CHAIN]
     assert text == f"<lora:{stems[0]}:0.8> <lora:{stems[1]}:-0.4:0.5> <lora:{stems[2]}:1.3:0>"
@@ -485,7 +461,7 @@ def test_a_chain_converts_undoes_and_converts_again_in_the_vue_node_renderer(ui,
         P.settle(b, 1.0)
         before, before_state = b.js(GRAPH), b.js(SERIALIZED)
         depth = b.js(TRACKER, before_state)["undo"]
-        node_menu(b, nodes_of(b, STOCK)[1], "Convert to Multi-LoRA Loader")
+        P.node_menu(b, nodes_of(b, STOCK)[1], "Convert to Multi-LoRA Loader")
         b.wait_for("(t) => app.graph.nodes.some((n) => n.type === t)", CLASS, timeout_s=10)
         b.wait_for(f"() => ({TRACKER})(null).undo === {depth + 1}", timeout_s=20)
         (node,) = nodes_of(b, CLASS)
