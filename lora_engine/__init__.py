@@ -20,14 +20,14 @@ from .fuse import FuseResult, fuse, ledger_of
 from .keymap import KeyMap, Target
 from .reader import read_header
 from .report import MatchReport
-from .regions import Layout, Region, Tokens
+from .regions import Gathered, Layout, Region, Tokens
 from .schedule import Schedule
 from .slots import Activation, SlotBank, all_banks, occupancies
 from .strengths import Entry
 
 __all__ = [
     "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "EngineError", "Entry", "FileIdentity",
-    "FuseError", "FuseResult", "KeyMap", "Layout", "LoRAError", "LoRAFileError", "LoRAFormatError",
+    "FuseError", "FuseResult", "Gathered", "KeyMap", "Layout", "LoRAError", "LoRAFileError", "LoRAFormatError",
     "LoRANoMatchError", "LoRAShapeError", "MatchReport", "NonFiniteError", "Region", "Schedule", "ShapingError",
     "SlotBank", "SlotLimitError", "Target", "Tokens", "all_banks", "bind", "default_cache", "fuse", "ledger_of",
     "load_adapter", "occupancies", "read_header",

@@ -128,17 +128,11 @@ class LayerSlots:
 
     def _tokens(self, x, out) -> torch.Tensor:
         """The masked slots' factor per token for this input (`regions.Masks.factor`). An input whose rows are not
-        the model call's items (a mixture of experts' tokens gathered over the batch) is refused: its rows have no
-        place on the image."""
-        rows = self.table.call_rows
-        if rows is not None and x.shape[0] != rows:
-            raise ShapingError(f"layer {self.name!r} of {self.owner.model_name} takes an input of {x.shape[0]} rows "
-                               f"in a model call of {rows} items: it mixes the items' tokens, so a LoRA mask cannot "
-                               "be placed on it", remedy="give this layer a block weight of 0 in the masked LoRA, "
-                                                         "or take the mask off")
+        the model call's items (a mixture of experts' tokens gathered over the batch) is refused unless the host
+        says where each row came from."""
         masks = self.table.masks
         factor = masks.factor_outside_graph if torch.compiler.is_compiling() else masks.factor
-        return factor(self.name, self.owner.model_name, self.geometry, x, out)
+        return factor(self.name, self.owner.model_name, self.geometry, x, out, self.table.call_rows)
 
     def _mixed_items(self, rows: int) -> None:
         """Per-item strengths are taken row by row from an input's first axis, which a layer such as a mixture of

@@ -16,6 +16,10 @@ axis, input [batch, tokens…, channels]) which rows are the image grid (`Layout
 out by its own output, [batch, channels, (frames,) height, width]; a layer whose input has no token axis
 ([batch, channels]) takes the text strength.
 
+A layer whose rows are tokens gathered over the call (a mixture of experts' routed rows, input [rows, channels])
+is placed by the host too: `Tokens.gathered` gives, per row, its position in the sequence it was gathered from
+(`Gathered`), and the row takes the factor of that token.
+
 A mask batch of one applies to every item and frame; of the latent's frame count (a video latent), one per frame;
 else one per batch item, tiled over the call's cond and uncond chunks as per-item strengths are.
 """
@@ -111,15 +115,29 @@ class Layout:
 TEXT = Layout()  # no row is an image token
 
 
+@dataclass(frozen=True, eq=False)
+class Gathered:
+    """Rows gathered from a sequence [batch, tokens, channels] laid out by `layout`: row j of the layer's input is
+    token `index[j]` of the flattened batch·tokens (item index[j] // tokens)."""
+
+    index: torch.Tensor
+    batch: int
+    tokens: int
+    layout: Layout
+
+
 @dataclass(frozen=True)
 class Tokens:
     """What the host says of one model call: its latent's grid (frames, height, width), and `layout(layer, x)`, the
     `Layout` of a token-taking layer's input x (a `ShapingError` where it cannot say). For one latent, a layer's
     layout depends on its input's shape alone: the engine keeps each layer's factor by that shape until the latent
-    or the regions change, and asks again only for a shape it has not seen."""
+    or the regions change, and asks again only for a shape it has not seen. `gathered(layer, x)`, where given,
+    places a 2-D input whose rows were gathered over the call (`Gathered`, asked at every call: the rows change
+    with the input), or says None: the input is one vector per item."""
 
     latent: tuple[int, int, int]
     layout: Callable[[str, torch.Tensor], Layout]
+    gathered: Callable[[str, torch.Tensor], Gathered | None] | None = None
 
 
 class Masks:
@@ -155,14 +173,26 @@ class Masks:
         self.device = device
         self._factors, self._layers = {}, {}
 
-    def factor(self, name: str, model_name: str, geometry, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def factor(self, name: str, model_name: str, geometry, x: torch.Tensor, out: torch.Tensor,
+               items: int | None = None) -> torch.Tensor:
         """Layer `name`'s per-token factor for input `x` and output `out`, shaped to scale each slot's columns at once:
-        [batch or 1, tokens…, N, 1] for a layer whose channels are last, [batch or 1, N, 1, *spatial] for a conv;
-        made once per layout and batch, and found by the layer and its input's shape after that."""
+        [batch or 1, tokens…, N, 1] for a layer whose channels are last, [batch or 1, N, 1, *spatial] for a conv,
+        [rows, N, 1] for rows gathered over the call; made once per layout and batch, and found by the layer and
+        its input's shape after that. An input of other rows than the call's `items` is refused unless the host
+        places them (`Tokens.gathered`)."""
         if self.tokens is None:
             raise ShapingError(f"layer {name!r} of {model_name} runs with masked LoRA entries, but the host has "
                                "not said where the model call's tokens lie", remedy="set the call's tokens "
                                "(SlotBank.set_tokens) before the model runs")
+        if x.dim() == 2 and geometry.channel_last and self.tokens.gathered is not None:
+            rows = self.tokens.gathered(name, x)
+            if rows is not None:
+                return self._gather(name, model_name, rows)
+        if items is not None and x.shape[0] != items:
+            raise ShapingError(f"layer {name!r} of {model_name} takes an input of {x.shape[0]} rows in a model call "
+                               f"of {items} items: it mixes the items' tokens, so a LoRA mask cannot be placed on "
+                               "it", remedy="give this layer a block weight of 0 in the masked LoRA, or take the "
+                                            "mask off")
         seen = (name, x.shape)
         f = self._layers.get(seen)
         if f is None:
@@ -194,6 +224,21 @@ class Masks:
         if f is None:
             f = self._factors[key] = self._make(name, model_name, layout, middle, spatial, x.shape[0])
         return f
+
+    def _gather(self, name: str, model_name: str, rows: Gathered) -> torch.Tensor:
+        """The factor of gathered rows [rows, N, 1]: the factor of the sequence they came from, taken at their
+        tokens."""
+        image = rows.layout.start + rows.layout.image_rows()
+        if image > rows.tokens or rows.index.dim() != 1:
+            raise ShapingError(f"layer {name!r} of {model_name} takes rows gathered from {rows.tokens} tokens, but "
+                               f"the host places an image grid {rows.layout.grid} from row {rows.layout.start}",
+                               remedy="sample a latent of the model's own layout, or remove the mask")
+        key = (rows.layout, (rows.tokens,), False, rows.batch)
+        f = self._factors.get(key)
+        if f is None:
+            f = self._factors[key] = self._make(name, model_name, rows.layout, (rows.tokens,), False, rows.batch)
+        f = f.expand(rows.batch, *f.shape[1:]).reshape(rows.batch * rows.tokens, self.n, 1)
+        return f.index_select(0, rows.index.to(f.device))
 
     @torch.compiler.disable
     def factor_outside_graph(self, *args) -> torch.Tensor:

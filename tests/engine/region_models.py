@@ -1,4 +1,5 @@
-"""Two tiny models that lay out tokens as a UNet and a joint-attention DiT do, the adapters of their layers, and the
+"""Three tiny models that lay out tokens as a UNet, a joint-attention DiT and a mixture of experts do, the adapters of
+their layers, and the
 reference for masked entries: a forward hook per adapter and layer that adds its output times its mask, area-averaged
 to that layer's grid by the test itself."""
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_engine import Layout
+from lora_engine import Gathered, Layout
 
 LATENT = (8, 8)  # the tiny models' latent grid
 CONTEXT = 5  # text tokens
@@ -50,6 +51,8 @@ class TinyUNet(nn.Module):
 
     def layout(self, name: str, x: torch.Tensor) -> Layout:
         return Layout() if name in self.TEXT else Layout(self.grid)
+
+    gathered = None
 
 
 class TinyDiT(nn.Module):
@@ -100,10 +103,49 @@ class TinyDiT(nn.Module):
             return Layout(grid, start=self.txt_len)
         return Layout()
 
+    gathered = None
+
+
+class TinyRouted(nn.Module):
+    """Patches of 2×2 as image tokens and two experts, each taking the rows of the tokens routed to it, gathered
+    over the batch ([rows, channels]), as HiDream's routed experts do; the routing reads the patches themselves, so
+    that every LoRA leaves it as it is. `gathered` says where each expert's rows came from, as a host would."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.img_in = nn.Linear(16, dim)
+        self.router = nn.Parameter(torch.randn(16, 2))
+        self.experts = nn.ModuleList([nn.Linear(dim, dim), nn.Linear(dim, dim)])
+        self.final = nn.Linear(dim, 16)
+        self.routes: dict[str, torch.Tensor] = {}
+        self.batch = 0
+
+    def forward(self, x, context):
+        b, c, h, w = x.shape
+        img = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
+        t = self.img_in(img)
+        flat = t.reshape(-1, t.shape[-1])
+        choice = (img.reshape(-1, c * 4) @ self.router).argmax(-1)
+        y = torch.zeros_like(flat)
+        self.batch = b
+        for e, expert in enumerate(self.experts):
+            rows = self.routes[f"experts.{e}"] = torch.nonzero(choice == e).squeeze(1)
+            y[rows] = expert(torch.tanh(flat[rows]))
+        out = self.final(t + y.reshape(t.shape))
+        return out.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    def layout(self, name: str, x: torch.Tensor) -> Layout:
+        return Layout((1, LATENT[0] // 2, LATENT[1] // 2))
+
+    def gathered(self, name: str, x: torch.Tensor) -> Gathered | None:
+        rows = self.routes.get(name)
+        grid = (1, LATENT[0] // 2, LATENT[1] // 2)
+        return None if rows is None else Gathered(rows, self.batch, grid[1] * grid[2], Layout(grid))
+
 
 def model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return (TinyUNet() if kind == "unet" else TinyDiT()).eval()
+    return {"unet": TinyUNet, "dit": TinyDiT, "routed": TinyRouted}[kind]().eval()
 
 
 def inputs(batch: int = 1, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +232,8 @@ class Masked:
     def _rows(self, name, x, mask, outside, text):
         if mask is None:
             return torch.ones(1, *x.shape[1:-1])
+        if x.dim() == 2 and self.m.gathered is not None and self.m.gathered(name, x) is not None:
+            return self._gathered(self.m.gathered(name, x), mask, outside, text)
         if x.dim() == 2:
             return torch.full((1,), text)
         layout = self.m.layout(name, x)
@@ -198,6 +242,12 @@ class Masked:
             _, h, w = layout.grid
             rows[:, layout.start:layout.start + h * w] = self._grid(mask, outside, h, w).flatten(1)
         return rows
+
+    def _gathered(self, rows: Gathered, mask, outside, text):
+        """Each row's factor: its item's mask at its token (one mask, or one per item)."""
+        _, h, w = rows.layout.grid
+        per_item = self._grid(mask, outside, h, w).flatten(1).expand(rows.batch, h * w)
+        return per_item.reshape(-1)[rows.index]
 
     def remove(self):
         for h in self.handles:

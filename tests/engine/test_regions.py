@@ -1,5 +1,6 @@
 """Strengths per token: a masked entry against forward hooks that add each adapter's output times its mask, area-
-averaged to each layer by the test (`region_models.Masked`), on a tiny UNet-like and a tiny DiT-like model, fp32."""
+averaged to each layer by the test (`region_models.Masked`), on a tiny UNet-like, a tiny DiT-like and a tiny
+mixture-of-experts model (rows gathered over the batch), fp32."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lora_engine import (Entry, Layout, NonFiniteError, Region, Schedule, Shapin
 from . import lora_files as lf
 from . import region_models as rm
 
-KINDS = ("unet", "dit")
+KINDS = ("unet", "dit", "routed")
 REL = 1e-5
 
 
@@ -28,7 +29,7 @@ def setup(tmp_path, kind: str, files=("lora", "lora")):
         tensors = rm.lora(m, 10 + i) if what == "lora" else rm.diff(m, 10 + i)
         adapters.append((load_adapter(lf.write(tmp_path, f"{kind}{i}.safetensors", tensors), name=f"a{i}"), tensors))
     bank = SlotBank(m, max_loras=len(files))
-    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout))
+    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
     return m, bank, adapters
 
 
@@ -95,7 +96,7 @@ def test_a_mask_of_ones_is_the_plain_stack_and_of_zeros_no_lora_exactly(tmp_path
     bank.release()
     base = run(rm.model(kind), x, ctx)
     bank = SlotBank(m, max_loras=1)
-    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout))
+    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
     bank.activate([Entry(a, 0.8, region=Region.of(torch.zeros(1, 16, 16)))])
     assert torch.equal(run(m, x, ctx), base)
     bank.activate([Entry(a, 0.8, region=Region.of(torch.ones(1, 16, 16), invert=True, outside=0.0, text=0.0))])
@@ -195,10 +196,16 @@ def test_a_video_mask_batch_is_one_mask_per_latent_frame():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_mask_multiplies_per_item_strengths(tmp_path, kind):
+    """Rows gathered over the batch take one strength for every item: per-item strengths are refused there."""
     m, bank, ((a, ta), (b, tb)) = setup(tmp_path, kind)
     x, ctx = rm.inputs(2)
     mask = masks(9)
     bank.activate([Entry(a, [0.9, -0.4], region=Region.of(mask, outside=0.1, text=0.6)), Entry(b, 0.5)])
+    if kind == "routed":
+        bank.call_rows = 2
+        with pytest.raises(ShapingError, match="'experts.0' .* so per-item LoRA strengths"):
+            run(m, x, ctx)
+        return
     got = run(m, x, ctx)
     for i, s in enumerate((0.9, -0.4)):
         want = reference(kind, x[i:i + 1], ctx[i:i + 1], [(ta, s, mask, 0.1, 0.6), (tb, 0.5, None, 0, 0)])

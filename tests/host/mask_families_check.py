@@ -1,5 +1,5 @@
 """In-process on ComfyUI's own classes: LoRAStackMask's masks on the families whose token layouts the pack reads
-beyond the UNet and Flux (nodes/bridge/tokens/): Chroma, SD3, Wan 2.1, Qwen-Image, Lumina 2 and Z-Image.
+beyond the UNet and Flux (nodes/bridge/tokens/): Chroma, SD3, Wan 2.1, Qwen-Image, Lumina 2, Z-Image and HiDream.
 
 Run with ComfyUI's python (tests/host/test_mask_families.py does):
 
@@ -22,6 +22,8 @@ twice the latent's 8×8.
     zeros    a mask of zeros, text strength 0 (= base)
     left     the left half, text strength 1 (differs from plain only on the image tokens of the right half)
     frames   Wan only: a mask batch of one mask per latent frame, ones on frame 0 and zeros on the others
+    experts  HiDream only: `local` for a file on the last single block's routed experts alone (`experts_inside`,
+             `experts_outside`), whose rows the router gathers over the batch and the sequence
     local    `final` with a mask on the latent's top left 4×2 pixels (Wan's on frame 0 alone), text strength 1:
              against base, `local_inside` (the largest difference at the output's pixels there) and
              `local_outside` (elsewhere, which must be 0). Where the grid is read wrongly (rows and columns,
@@ -34,6 +36,8 @@ Refused, each with the ShapingError's message:
                    the diffusion model starts (naming the family and the argument)
     refusal_count  the diffusion model called directly on a 12×12 latent while the bank holds the tokens of an
                    8×8 one: the first masked layer that takes tokens has rows that the latent's grid does not
+    refusal_order  HiDream only: each routed expert handed its rows in reverse order (and its output put back), a
+                   gathering that the pack does not know: refused at the expert's first layer
 
 `unplaced`: the model's Linear layers that no rule of the family's layout names (they would be refused).
 Result: one JSON object, per family the max-abs differences (`<a>_vs_<b>`), `max` (max |plain|), the refusals
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -54,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.family_layouts import Family, Writer, families, lumina2_inputs  # noqa: E402
+from tests.host.family_layouts import HIDREAM_UNET, Family, Writer, families, hidream_inputs, lumina2_inputs  # noqa: E402
 from tests.host.sampling_check import diffs, emit  # noqa: E402
 
 ZIMAGE = Family(  # model_detection's Z-Image (picked by its width, 3840), made 256 wide: z_image_modulation, pads of 32
@@ -63,22 +68,26 @@ ZIMAGE = Family(  # model_detection's Z-Image (picked by its width, 3840), made 
                "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
                "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32},
     lumina2_inputs, {}, resize={"dim": 256})
-NAMES = ("chroma", "sd3", "wan21", "qwen_image", "lumina2", "z_image")
+HIDREAM = Family(  # three routed experts, two active per token: each token's rows go to two experts
+    "HiDream", {**HIDREAM_UNET, "num_routed_experts": 3, "num_activated_experts": 2}, hidream_inputs, {}, std=0.05)
+NAMES = ("chroma", "sd3", "wan21", "qwen_image", "lumina2", "z_image", "hidream")
 TIME = ("timestep", "timesteps", "t")
 SIGMA = 0.6
 FRAMES = 3  # Wan's latent frames
 # the last layer that takes the image tokens alone: its rows reach the output's latent pixels without attention
 FINAL = {"chroma": "final_layer.linear", "sd3": "final_layer.linear", "wan21": "head.head",
-         "qwen_image": "proj_out", "lumina2": "final_layer.linear", "z_image": "final_layer.linear"}
+         "qwen_image": "proj_out", "lumina2": "final_layer.linear", "z_image": "final_layer.linear",
+         "hidream": "final_layer.linear"}
+EXPERTS = r"single_stream_blocks\.1\.block\.ff_i\.experts\.\d+\.w[123]"  # HiDream's last routed experts
 
 
 def every(w: Writer, only: str | None = None) -> None:
     """kohya factors on every Linear and conv that ComfyUI's key map names as `diffusion_model.<module>`, or on
-    the module `only` alone."""
+    the modules whose name `only` (a pattern) matches alone."""
     nn = w.torch.nn
     for name, module in w.modules.items():
         if isinstance(module, (nn.Linear, nn.Conv2d, nn.Conv3d)) and w.keymap.get(name) == f"{name}.weight" \
-                and (only is None or name == f"diffusion_model.{only}"):
+                and (only is None or re.fullmatch(rf"diffusion_model\.({only})", name)):
             w.lora(name, rank=4)
 
 
@@ -100,7 +109,8 @@ class FamilyMasks:
             self.inputs["x"] = torch.randn(1, 16, FRAMES, 8, 8, generator=torch.Generator().manual_seed(2))
         self.cache, self.folder = engine.AdapterCache(max_items=8, max_bytes=1 << 32), folder
         self.sd, self.adapter, self.lora_layers = self.lora_file("every")
-        self.final = self.lora_file("final", FINAL[name])[1]
+        self.final = self.lora_file("final", re.escape(FINAL[name]))[1]
+        self.experts = self.lora_file("experts", EXPERTS)[1] if name == "hidream" else None
 
     def lora_file(self, tag: str, only: str | None = None) -> tuple:
         """The LoRA file `every(only)` writes, read as LoraLoader reads it and as the pack's loader does: (state
@@ -154,6 +164,8 @@ class FamilyMasks:
             self.tokens.check_masks(self.root, [("every", frames)], tuple(self.inputs["x"].shape))
             out["frames"] = self.call(self.stack(frames))
         out["local"] = self.call(self.stack(self.Region.of(self.corner(), text=1.0), self.final))
+        if self.experts is not None:
+            out["experts"] = self.call(self.stack(self.Region.of(self.corner(), text=1.0), self.experts))
         out["base_after"] = self.call(self.base)
         return out
 
@@ -165,22 +177,23 @@ class FamilyMasks:
         m[:, :8, :4] = 1.0
         return torch.cat([m] + [torch.zeros(1, 16, 16)] * (FRAMES - 1)) if self.name == "wan21" else m
 
-    def local(self, out: dict) -> dict:
-        """`local` (the final image layer alone, masked to the corner) against `base`: the largest difference at
-        the output's latent pixels inside the corner, and outside it."""
-        delta = (out["local"] - out["base"]).abs()
+    def local(self, out: dict, key: str = "local") -> dict:
+        """`key` (a layer that takes image tokens alone, masked to the corner) against `base`: the largest
+        difference at the output's latent pixels inside the corner, and outside it."""
+        delta = (out[key] - out["base"]).abs()
         inside = self.torch.zeros(delta.shape, dtype=self.torch.bool)
         inside[..., :4, :2] = True
         if delta.dim() == 5:
             inside[:, :, 1:] = False  # the mask's other frames are zeros
-        return {"local_inside": delta[inside].max().item(), "local_outside": delta[~inside].max().item()}
+        return {f"{key}_inside": delta[inside].max().item(), f"{key}_outside": delta[~inside].max().item()}
 
     def refusal_extra(self) -> str | None:
         """A call given the family's extra tokens, as ComfyUI passes them (apply_model's keyword arguments)."""
         torch, x = self.torch, self.inputs["x"]
         extra = {"qwen_image": {"ref_latents": [torch.randn(x.shape)]},
                  "z_image": {"ref_latents": [torch.randn(x.shape)]},
-                 "wan21": {"context_latents": [torch.randn(1, 16, 1, 8, 8)]}}.get(self.name)
+                 "wan21": {"context_latents": [torch.randn(1, 16, 1, 8, 8)]},
+                 "hidream": {"image_cond": torch.randn(x.shape)}}.get(self.name)
         if extra is None:
             return None
         try:
@@ -208,6 +221,25 @@ class FamilyMasks:
             return str(e)
         return "not refused"
 
+    def refusal_order(self) -> str:
+        """Each routed expert of HiDream handed its rows reversed, its output reversed back: the model computes
+        the same, the rows' order is not the one the pack places."""
+        experts = [m for m in self.root.diffusion_model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        for moe in experts:
+            for expert in moe.experts:
+                expert.forward = lambda x, forward=expert.forward: forward(x.flip(0)).flip(0)
+        try:
+            self.call(self.stack(self.Region.of(self.torch.ones(1, 16, 16), text=1.0)))
+        except ValueError as e:
+            if not isinstance(e.__cause__, self.ShapingError):
+                raise
+            return str(e)
+        finally:
+            for moe in experts:
+                for expert in moe.experts:
+                    del expert.forward
+        return "not refused"
+
     def unplaced(self) -> list[str]:
         family = self.tokens.family_of(self.root)
         return sorted(n for n, m in self.root.diffusion_model.named_modules()
@@ -220,6 +252,9 @@ class FamilyMasks:
                   **diffs(out, ("plain", "stock"), ("plain", "base"), ("ones", "plain"), ("zeros", "base"),
                           ("left", "plain"), ("left", "base"), ("base_after", "base"))}
         result.update(self.local(out))
+        if "experts" in out:
+            result.update(self.local(out, "experts"))
+            result["refusal_order"] = self.refusal_order()
         if "frames" in out:
             result.update(diffs(out, ("frames", "plain"), ("frames", "base")))
         result["refusal_extra"] = self.refusal_extra()
@@ -240,7 +275,7 @@ def main() -> int:
     import torch
     torch.set_num_threads(1)  # tiny models: on a shared CPU, threads only wait for each other
     bridge = import_bridge()
-    known = {**families(comfy), "z_image": ZIMAGE}
+    known = {**families(comfy), "z_image": ZIMAGE, "hidream": HIDREAM}
     result = {}
     with tempfile.TemporaryDirectory(prefix="multilora-mask-families-") as folder:
         for name in args.family or NAMES:

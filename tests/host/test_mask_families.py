@@ -1,4 +1,4 @@
-"""LoRAStackMask's masks on Chroma, SD3, Wan 2.1, Qwen-Image, Lumina 2 and Z-Image, in-process on ComfyUI's own
+"""LoRAStackMask's masks on Chroma, SD3, Wan 2.1, Qwen-Image, Lumina 2, Z-Image and HiDream, in-process on ComfyUI's own
 classes: `mask_families_check.py` runs once with ComfyUI's python (no server); its docstring lists the outputs.
 
 Tolerance, per family: twice the floor measured in the same run, the largest difference between our plain stack
@@ -7,7 +7,9 @@ under 1e-6 of the output's magnitude. Each equality can fail: the LoRA moves the
 half moves it from the plain stack, by at least MARGIN tolerances. A mask of ones and one of zeros give the plain
 stack and the base model whatever rows a layout calls image tokens (all rows take 1, or 0); the `local` output
 is what places them: the last image layer's LoRA, masked to a corner, must move the output's pixels there and
-nowhere else (a caption offset of Lumina's read one row off moves other pixels, measured in a scratch copy).
+nowhere else (a caption offset of Lumina's read one row off moves other pixels, measured in a scratch copy). On
+HiDream the same holds for a LoRA on the last block's routed experts alone, whose rows the router gathers (each
+expert's rows reversed, in a scratch copy, moved other pixels by 900 tolerances).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ pytestmark = pytest.mark.host
 SCRIPT = Path(__file__).resolve().parent / "mask_families_check.py"
 MARGIN = 10.0
 LABELS = {"chroma": "Chroma", "sd3": "SD3", "wan21": "Wan 2.1 / 2.2", "qwen_image": "Qwen-Image",
-          "lumina2": "Lumina 2 / Z-Image", "z_image": "Lumina 2 / Z-Image"}
-EXTRA = {"qwen_image": "ref_latents", "z_image": "ref_latents", "wan21": "context_latents"}
+          "lumina2": "Lumina 2 / Z-Image", "z_image": "Lumina 2 / Z-Image", "hidream": "HiDream"}
+EXTRA = {"qwen_image": "ref_latents", "z_image": "ref_latents", "wan21": "context_latents", "hidream": "image_cond"}
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +90,16 @@ def test_a_mask_per_video_frame_runs(result):
     row = result["wan21"]
     assert row["frames_vs_plain"] >= MARGIN * tol(row)
     assert row["frames_vs_base"] >= MARGIN * tol(row)
+
+
+def test_hidreams_routed_experts_move_only_the_masked_pixels(result):
+    """The router gathers each expert's rows over the batch and the sequence; each row takes its token's factor."""
+    row = result["hidream"]
+    assert row["experts_outside"] <= tol(row)
+    assert row["experts_inside"] >= MARGIN * tol(row)
+
+
+def test_hidreams_experts_handed_rows_in_another_order_are_refused(result):
+    refusal = result["hidream"]["refusal_order"]
+    assert "ff_i.experts.0.w1' of HiDream takes" in refusal, refusal
+    assert "not the routed tokens in the order" in refusal

@@ -24,7 +24,11 @@ By ComfyUI's diffusion-model class (`FAMILIES`), the module that reads it:
 - `WanModel` (Wan 2.1, 2.2; wan.py): the video tokens on ComfyUI's `grid_sizes` (frames, height, width), a mask
   per latent frame where given one; cross-attention K/V on the text and the CLIP image tokens; reference and
   in-context latents refused.
-Every other family (HiDream, HunyuanVideo, LTX-Video, Wan's VACE, camera, S2V and animate models, …) is refused
+- `HiDreamImageTransformer2DModel` (HiDream-I1, E1; hidream.py): `x_embedder` and the double blocks' image stream
+  take the latent in patches, their text stream (`*_t`, `ff_t`) the text; the single blocks the image tokens then
+  the text; each routed expert the rows its router gathered, placed at their tokens (`Tokens.gathered`). E1's
+  `image_cond` refused.
+Every other family (HunyuanVideo, LTX-Video, Wan's VACE, camera, S2V and animate models, …) is refused
 before sampling, and a layer that none of these rules places is refused when it runs; neither samples unmasked.
 """
 
@@ -37,6 +41,7 @@ from ....lora_engine import ShapingError, SlotBank, Tokens
 
 from .dit import SD3, Lumina2, QwenImage
 from .flux import Chroma, Flux
+from .hidream import HiDream
 from .unet import UNet
 from .wan import Wan
 
@@ -49,6 +54,7 @@ FAMILIES = {
     "QwenImageTransformer2DModel": ("Qwen-Image", QwenImage),
     "NextDiT": ("Lumina 2 / Z-Image", Lumina2),
     "WanModel": ("Wan 2.1 / 2.2", Wan),
+    "HiDreamImageTransformer2DModel": ("HiDream", HiDream),
 }
 STATE = "_multilora_tokens"  # on a diffusion model: its family's layout, made once
 
@@ -99,4 +105,5 @@ def tokens_of(root, x) -> Tokens:
     """The model call's tokens for its latent input x ([batch, channels, (frames,) h, w])."""
     family = family_of(root)
     latent = tuple(x.shape[2:]) if x.dim() == 5 else (1, *x.shape[2:])
-    return Tokens(latent, functools.partial(family.layout, latent))
+    gathered = None if family.gathered is None else functools.partial(family.gathered, latent)
+    return Tokens(latent, functools.partial(family.layout, latent), gathered)

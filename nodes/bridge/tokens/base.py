@@ -34,6 +34,7 @@ class Family:
 
     RULES: tuple[tuple[str, re.Pattern], ...] = ()
     WATCHED: tuple[str, ...] = ()
+    gathered = None  # a family whose layers take rows gathered over the call places them: `Tokens.gathered`
 
     def __init__(self, dm, name: str, masked: Callable[[], bool] = lambda: True):
         self.name = name
