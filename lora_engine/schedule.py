@@ -9,6 +9,9 @@ Before the first keyframe the first value holds, after the last the last value
 holds. With `step` interpolation a keyframe's value holds until the next one.
 The multiplier scales the entry's strength, so `0:1` is the plain strength.
 
+A switch (`Switch`) rotates entries by step instead: each takes its turn for `every` steps, the others
+are off, as in LoRA Switch (Zhong et al. 2024, "Multi-LoRA Composition for Image Generation").
+
 The progress of a model call is its step: step i of n has progress i / n. It is
 found from the call's sigma and the sampler's sigma list, so a sampler that
 evaluates the model between two sigmas of the list (DPM-2's midpoint) keeps the
@@ -90,7 +93,8 @@ class Schedule:
         """The multiplier when it never changes, else None."""
         return self.values[0] if len(set(self.values)) == 1 else None
 
-    def at(self, progress: float) -> float:
+    def at(self, progress: float, steps: int | None = None) -> float:
+        """The multiplier at `progress` (`steps`, the sampling's step count, is not needed)."""
         pts, vals = self.points, self.values
         i = bisect.bisect_right(pts, progress) - 1
         if i < 0:
@@ -106,6 +110,60 @@ class Schedule:
     def describe(self) -> str:
         return ", ".join(f"{p:g}:{v:g}" for p, v in zip(self.points, self.values)) + \
             ("" if self.mode == "linear" else " (step)")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Entry `position` of `count` rotating ones: on (1) for steps i with (i // every) mod count = position, off
+    (0) for the others. Its steps are counted from the progress i / n and the sampling's step count n."""
+
+    position: int
+    count: int
+    every: int = 1
+
+    def __post_init__(self):
+        if self.count < 1 or self.every < 1 or not 0 <= self.position < self.count:
+            raise ShapingError(f"a switch needs 0 <= position < count and every >= 1, got position {self.position}, "
+                               f"count {self.count}, every {self.every}")
+
+    @property
+    def constant(self) -> float | None:
+        return 1.0 if self.count == 1 else None
+
+    def at(self, progress: float, steps: int | None = None) -> float:
+        if steps is None and progress == 0.0:
+            return 1.0 if self.position == 0 else 0.0  # step 0, whatever the count (an activation's first write)
+        if steps is None:
+            raise ShapingError("a LoRA switch counts steps, but this sampling gave no step list (a sampler outside "
+                               "ComfyUI's CFGGuider)", remedy="use LoRAStrengthSchedule with 'step' keyframes, "
+                                                              "or a stock KSampler")
+        step = round(progress * steps)
+        return 1.0 if (step // self.every) % self.count == self.position else 0.0
+
+    def describe(self) -> str:
+        return f"switch {self.position + 1} of {self.count}, every {self.every} step" + ("s" if self.every > 1 else "")
+
+
+@dataclass(frozen=True)
+class Product:
+    """Two schedules on one entry: their multipliers multiplied (a switch over an entry that has a schedule)."""
+
+    first: Schedule | Switch | Product
+    second: Schedule | Switch | Product
+
+    @property
+    def constant(self) -> float | None:
+        a, b = self.first.constant, self.second.constant
+        return None if a is None or b is None else a * b
+
+    def at(self, progress: float, steps: int | None = None) -> float:
+        return self.first.at(progress, steps) * self.second.at(progress, steps)
+
+    def describe(self) -> str:
+        return f"{self.first.describe()} × {self.second.describe()}"
+
+
+SCHEDULES = (Schedule, Switch, Product)  # what an entry's schedule may be
 
 
 def step_progress(sigma: float, sample_sigmas: Sequence[float]) -> float:

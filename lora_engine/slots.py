@@ -260,11 +260,11 @@ class SlotBank:
             return Activation(tuple(copied), tuple(kept), tuple(released), nbytes)
 
     @_state_writes
-    def set_progress(self, progress: float) -> None:
-        """Apply every slot's schedule at this sampling progress (0…1): a tensor write, or nothing when
-        no slot has a schedule or the progress is unchanged."""
+    def set_progress(self, progress: float, steps: int | None = None) -> None:
+        """Apply every slot's schedule at this sampling progress (0…1) of `steps` steps (a switch counts them): a
+        tensor write, or nothing when no slot has a schedule or the progress is unchanged."""
         with self.lock:
-            self.strengths.set_progress(progress)
+            self.strengths.set_progress(progress, steps)
             self._tell_layers()
 
     @_state_writes

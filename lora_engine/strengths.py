@@ -22,7 +22,7 @@ from torch import nn
 from .adapter import Adapter
 from .errors import LoRAShapeError, NonFiniteError, ShapingError
 from .regions import Masks, Region
-from .schedule import Schedule
+from .schedule import Schedule, Switch, Product
 
 Strength = float | Sequence[float] | torch.Tensor
 LayerWeights = Mapping[str, float]  # layer name -> multiplier; a layer left out has 1
@@ -35,7 +35,7 @@ class Entry:
 
     adapter: Adapter
     strength: Strength
-    schedule: Schedule | tuple[Schedule | None, ...] | None = None
+    schedule: Schedule | Switch | Product | tuple[Schedule | Switch | Product | None, ...] | None = None
     layer_weights: LayerWeights | tuple[LayerWeights | None, ...] | None = None
     region: Region | None = None
 
@@ -174,7 +174,7 @@ class Strengths:
         # The batch of the model call under way, where the host says it (None: unknown): a layer whose input has
         # other rows than that mixes the call's items, and per-item strengths are refused there (`LayerSlots`).
         self.call_rows: int | None = None
-        self.progress = 0.0
+        self.progress, self.steps = 0.0, None
         self.generation = 0
         self.all_zero = True
         self.schedules: dict[int, Schedule | tuple[Schedule | None, ...]] = {}
@@ -243,16 +243,16 @@ class Strengths:
         self._table = self._filled({slots[j]: table[:, j] if batch is not None else table[j]
                                     for j in range(len(entries))}, batch)
         self._call_table = self._seen = self._items = None
-        self.progress = 0.0
+        self.progress, self.steps = 0.0, None
         self.requested = {slots[j]: e.strength for j, e in enumerate(entries)}
         self.push()
 
-    def set_progress(self, progress: float) -> None:
+    def set_progress(self, progress: float, steps: int | None = None) -> None:
         """See `SlotBank.set_progress`."""
-        if not self.schedules or progress == self.progress:
-            self.progress = progress
+        if not self.schedules or (progress, steps) == (self.progress, self.steps):
+            self.progress, self.steps = progress, steps
             return
-        self.progress = progress
+        self.progress, self.steps = progress, steps
         self.push()
 
     def set_items(self, rows: Mapping[Adapter, Sequence[float | None]] | None,
@@ -402,9 +402,9 @@ class Strengths:
         p = self.progress
         for slot, sched in self.schedules.items():
             if isinstance(sched, tuple):
-                mult[:, slot] = torch.tensor([1.0 if s is None else s.at(p) for s in sched])
+                mult[:, slot] = torch.tensor([1.0 if s is None else s.at(p, self.steps) for s in sched])
             else:
-                mult[..., slot] = sched.at(p)
+                mult[..., slot] = sched.at(p, self.steps)
         return mult
 
     def push(self) -> None:

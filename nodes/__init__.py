@@ -11,7 +11,7 @@ from .masks import LoRAStackMask
 from .multi_rows import MultiLoRARows
 from .prompt_stack import LoRAStackFromPrompt
 from .rows import LoRAStackRows
-from .shaping import LoRABlockWeights, LoRAStrengthSchedule
+from .shaping import LoRABlockWeights, LoRAStrengthSchedule, LoRASwitchSchedule
 from .stack import LoRAStack, LoRAStackFromJSON
 from .stack_save import LoRAStackSave
 
@@ -30,6 +30,7 @@ NODE_CLASS_MAPPINGS = {
     "LoRAStackSave": LoRAStackSave,
     "LoRAStrengthGrid": LoRAStrengthGrid,
     "LoRAStrengthSchedule": LoRAStrengthSchedule,
+    "LoRASwitchSchedule": LoRASwitchSchedule,
     "MultiLoRALoader": MultiLoRALoader,
     "MultiLoRARows": MultiLoRARows,
 }
@@ -49,6 +50,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoRAStackSave": "Save LoRA Stack as One LoRA (Multi-LoRA)",
     "LoRAStrengthGrid": "LoRA Strength Grid (one batch)",
     "LoRAStrengthSchedule": "LoRA Strength Schedule (Multi-LoRA)",
+    "LoRASwitchSchedule": "LoRA Switch Schedule (Multi-LoRA)",
     "MultiLoRALoader": "Multi-LoRA Loader (runtime)",
     "MultiLoRARows": "Multi-LoRA Loader",
 }

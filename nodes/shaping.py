@@ -1,4 +1,4 @@
-"""LoRAStrengthSchedule and LoRABlockWeights: shape one stack entry over the steps or over the blocks.
+"""LoRAStrengthSchedule, LoRASwitchSchedule and LoRABlockWeights: shape stack entries over the steps or the blocks.
 
 Both only attach numbers to an entry of the stack. MultiLoRALoader (or LoRAStrengthGrid)
 turns them into the engine's scale tensor: a write before each model call for a schedule,
@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..lora_engine.blocks import BlockWeights
 from ..lora_engine.errors import ShapingError, shown
 from ..lora_engine.grid import GridError, find_entry
-from ..lora_engine.schedule import MODES, Schedule
+from ..lora_engine.schedule import MODES, Product, Schedule, Switch
 
 from . import bridge
 from .stack import CATEGORY, StackError, as_stack, entries, is_strength, last_left_out
@@ -121,6 +121,52 @@ class LoRAStrengthSchedule(ShapesEntry):
             raise ValueError(str(e)) from None
         i = entry_index(items, ref, "entry")
         items[i] = items[i].with_shaping(schedule=sched)
+        return (as_stack(items),)
+
+
+class LoRASwitchSchedule(ShapesEntry):
+    DESCRIPTION = ("LoRA Switch: one LoRA of the stack at a time, each taking its turn for 'every' steps, in the "
+                   "order given (Zhong et al. 2024, 'Multi-LoRA Composition for Image Generation', where it "
+                   "composed better than merging). Entries left out of 'order' keep their strength at every step "
+                   "(a speed LoRA). The LoRAs stay in their slots; each step only writes strengths. The text "
+                   "encoder keeps each entry's strength_clip.")
+    OUTPUT_TOOLTIPS = ("The stack with the switch on its rotating entries, for MultiLoRALoader.",)
+    FUNCTION = "switch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "lora_stack": ("LORA_STACK", {"tooltip": "The stack whose LoRAs take turns."}),
+                "every": ("INT", {"default": 1, "min": 1, "max": 10000, "tooltip": "Steps each LoRA stays on "
+                                  "before the next one takes over (τ). Step i belongs to entry (i // every) mod "
+                                  "the number of rotating entries."}),
+                "order": ("STRING", {"default": "", "tooltip": "The rotating entries in turn order, comma-"
+                                     "separated: file names, names without extension or positions (#1 is the "
+                                     "first). Empty: every entry of the stack, in stack order. Two or more."}),
+            },
+        }
+
+    @bridge.host_errors
+    def switch(self, lora_stack, every, order):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be a whole number of steps of 1 or more, got {shown(every)}")
+        try:
+            items = entries(lora_stack)
+        except StackError as e:
+            raise ValueError(str(e)) from None
+        refs = [r.strip() for r in (order or "").split(",") if r.strip()]
+        turns = [entry_index(items, r, "order") for r in refs] if refs else list(range(len(items)))
+        doubled = sorted({items[i].name for i in turns if turns.count(i) > 1})
+        if doubled:
+            raise ValueError(f"order: {', '.join(doubled)} named twice; each entry takes one turn")
+        if len(turns) < 2:
+            raise ValueError(f"a switch rotates two entries or more; {'order names' if refs else 'the stack has'} "
+                             f"{len(turns)}")
+        for position, i in enumerate(turns):
+            turn = Switch(position, len(turns), every)
+            own = items[i].schedule
+            items[i] = items[i].with_shaping(schedule=turn if own is None else Product(own, turn))
         return (as_stack(items),)
 
 

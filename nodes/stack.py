@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ..lora_engine.blocks import BlockWeights
 from ..lora_engine.errors import shown
 from ..lora_engine.regions import Region
-from ..lora_engine.schedule import Schedule
+from ..lora_engine.schedule import SCHEDULES, Schedule
 
 from . import bridge
 from .pairs import AUTO, TARGETS
@@ -115,7 +115,7 @@ def entries(stack) -> list[Entry]:
             if (problem := strength_error(v)) is not None:
                 raise StackError(f"lora_stack entry {i} ({name}): {field} {problem}")
         schedule, blocks, region = (getattr(item, k, None) for k in ("schedule", "blocks", "region"))
-        out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, Schedule) else None,
+        out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, SCHEDULES) else None,
                          blocks if isinstance(blocks, BlockWeights) else None,
                          region if isinstance(region, Region) else None))
     return out

@@ -105,7 +105,7 @@ class ModelCallWrapper:
             else:
                 bank.set_items(None)
             if self.scheduled:
-                bank.set_progress(sampling_progress(root, t, transformer_options))
+                bank.set_progress(sampling_progress(root, t, transformer_options), sampling_steps(transformer_options))
             if bank.masked:
                 bank.set_tokens(tokens_of(root, x))  # where the masks' rows lie in this call
             bank.call_rows = x.shape[0]  # per-item strengths reach only layers whose input has these rows
@@ -177,6 +177,12 @@ def check_strengths(strengths: list, stack: Stack | None) -> None:
     if missing and first_time(("unheld", tuple(missing), names)):
         log.warning("[MultiLoRA] conditioning strengths for %s left out: not in the stack of the model "
                     "being sampled (its LoRAs: %s)", ", ".join(missing), names)
+
+
+def sampling_steps(transformer_options: dict) -> int | None:
+    """The sampler's step count n from its sigma list (n + 1 sigmas); None without that list."""
+    sample_sigmas = transformer_options.get("sample_sigmas")
+    return len(sample_sigmas) - 1 if sample_sigmas is not None and len(sample_sigmas) > 1 else None
 
 
 def sampling_progress(root, t, transformer_options: dict) -> float:

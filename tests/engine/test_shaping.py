@@ -9,7 +9,7 @@ from lora_engine import SlotBank, load_adapter
 from lora_engine.blocks import BlockWeights, block_of, layer_weights, layout, presets
 from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError, build, parse_axis
-from lora_engine.schedule import Schedule, step_progress
+from lora_engine.schedule import Product, Schedule, Switch, step_progress
 from lora_engine.strengths import Entry
 
 from . import lora_files as lf
@@ -147,6 +147,40 @@ def test_schedule_sets_the_strength_at_each_progress(adapter):
     assert bank.copies == copies  # the adapter stayed in its slot
     bank.set_progress(0.0)
     assert bank.all_zero  # a zero multiplier skips every hook
+
+
+def test_a_switch_gives_each_entry_its_turns(tmp_path, adapter):
+    """Two entries every 2 steps of 8: the first on at steps 0, 1, 4, 5, the second at 2, 3, 6, 7; the step is counted
+    from the progress and the step count, as the host gives them."""
+    other = load_adapter(lf.write(tmp_path, "b.safetensors", lf.lora_tensors(lf.tiny(), "kohya", 4, rank=2)),
+                         name="b")
+    x, model = lf.tiny_input(), lf.tiny()
+    bank = SlotBank(model, max_loras=2)
+    alone = {}
+    for name, pair in (("a", [(adapter, 0.8), (other, 0.0)]), ("b", [(adapter, 0.0), (other, -0.6)])):
+        bank.activate(pair)
+        alone[name] = out(model, x)
+    bank.activate([Entry(adapter, 0.8, Switch(0, 2, every=2)), Entry(other, -0.6, Switch(1, 2, every=2))])
+    copies = bank.copies
+    for step, name in enumerate("aabbaabb"):
+        bank.set_progress(step / 8, 8)
+        assert torch.equal(out(model, x), alone[name]), step
+    assert bank.copies == copies  # both stayed in their slots
+
+
+def test_a_switch_counts_steps_and_multiplies_a_schedule():
+    turn = Switch(1, 3, every=1)
+    assert [turn.at(i / 6, 6) for i in range(6)] == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    assert Switch(0, 1).constant == 1.0 and turn.constant is None
+    assert (turn.at(0.0), Switch(0, 3).at(0.0)) == (0.0, 1.0)  # step 0 without a count
+    with pytest.raises(ShapingError, match="a LoRA switch counts steps, but this sampling gave no step list"):
+        turn.at(0.5)
+    both = Product(Schedule.parse("0:1, 0.5:0.25", "step"), turn)
+    assert [both.at(i / 6, 6) for i in range(6)] == [0.0, 1.0, 0.0, 0.0, 0.25, 0.0]
+    assert both.describe() == "0:1, 0.5:0.25 (step) × switch 2 of 3, every 1 step"
+    for bad in ((3, 3, 1), (0, 2, 0), (-1, 2, 1)):
+        with pytest.raises(ShapingError, match="a switch needs"):
+            Switch(*bad)
 
 
 def test_per_item_schedules(adapter):
