@@ -14,6 +14,7 @@ import pytest
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
+from . import workflows as wf
 from .test_shaping import STEPS, graph, mad
 
 pytestmark = pytest.mark.host
@@ -103,3 +104,13 @@ def test_a_switch_over_a_scheduled_entry_multiplies_them(server, floor):
     got = server.run(graph(entries))[0]
     ref = server.run(turns([[(A, 1.0)], [(B, 1.0)], [(A, 0.0)], [(B, 1.0)]]))[0]
     assert mad(got, ref) <= 3 * floor
+
+
+def test_the_example_runs_and_switches(server, floor):
+    """examples/workflows/switch_api.json: two LoRAs taking turns every 2 steps, a third at every step; its image
+    is not the same stack merged (the switch removed)."""
+    example = wf.small(wf.load("switch_api.json"), steps=STEPS, prefix="switch")
+    got = server.run(example)[0]
+    merged = {k: v for k, v in example.items() if k != "5"}
+    merged["6"] = {**merged["6"], "inputs": {**merged["6"]["inputs"], "lora_stack": ["4", 0]}}
+    assert mad(got, server.run(merged)[0]) > 10 * 3 * floor
