@@ -2,6 +2,7 @@
 
 from . import bridge, keep_warning, library
 from .as_patches import LoRAStackAsPatches
+from .composite import LoRACompositeConditioning
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
 from .grid import LoRAGridImage, LoRAStrengthGrid
@@ -18,6 +19,7 @@ from .stack_save import LoRAStackSave
 NODE_CLASS_MAPPINGS = {
     "DistillFuse": DistillFuse,
     "LoRABlockWeights": LoRABlockWeights,
+    "LoRACompositeConditioning": LoRACompositeConditioning,
     "LoRAConditioningStrengths": LoRAConditioningStrengths,
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
@@ -38,6 +40,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "DistillFuse": "DistillFuse (fuse a distilled LoRA once)",
     "LoRABlockWeights": "LoRA Block Weights (Multi-LoRA)",
+    "LoRACompositeConditioning": "LoRA Composite Conditioning (Multi-LoRA)",
     "LoRAConditioningStrengths": "LoRA Strengths for Conditioning (Multi-LoRA)",
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",

@@ -21,9 +21,14 @@ samples every conditioning of a step in one call.
     regions_keep    regions_ours without strengths on the conditionings
     prompt_two_models  prompt_ours with the prompt also naming a LoRA the stack does not hold (a conditioning
                     for two models, each holding one of its LoRAs); sampled twice, the left-out LoRA logged once
+    composite_ours  LoRA Composite: the stack A 1.0, B 0.8 and LoRACompositeConditioning's copies of the prompt and
+                    the negative, one per LoRA, each with the other at 0
+    composite_stock the base model; one copy of the prompt and of the negative per LoRA, each with a hook LoRA of
+                    that LoRA alone (ComfyUI averages a prompt's copies)
+    composite_merged  the stack A 1.0, B 0.8 on the plain prompt and negative
 
-It also counts the diffusion model's calls and batch sizes in regions_ours and regions_stock, and records the
-messages of the refusals: conditioning strengths on a model without a stack, on a stack that holds none of the
+It also counts the diffusion model's calls and batch sizes in regions_* and composite_*, and records the messages
+of LoRACompositeConditioning's refusals of a bad `entries`, and of the refusals: conditioning strengths on a model without a stack, on a stack that holds none of the
 named LoRAs, and on a strength grid's model. `base_after` samples the base model after the pack's samples and
 refusals, and the base model's weights are compared with their values before any sample.
 """
@@ -47,8 +52,8 @@ NAMES = {"A": "flux_kohya.safetensors", "B": "flux_diffusers.safetensors", "img_
 
 
 class Check:
-    def __init__(self, run: Run, node):
-        self.run, self.node = run, node
+    def __init__(self, run: Run, node, composite):
+        self.run, self.node, self.composite = run, node, composite
         comfy, torch = run.comfy, run.torch
         self.hooks = comfy.hooks
         self.positive = [[run.context, dict(run.cond)]]
@@ -101,6 +106,11 @@ class Check:
                                                  self.set(self.positive, {"A": 1.0, "img_in": 1.0}))[0]
             self.sample(self.stack({"A": 0.0, "B": -0.6}), self.set(self.positive, {"A": 1.0, "img_in": 1.0}))
         self.left_out_logged = [line for line in lines if "left out" in line]
+        both = {"A": 1.0, "B": 0.8}
+        stack = [(NAMES[k], v, 0.0) for k, v in both.items()]
+        positive, negative = self.composite.LoRACompositeConditioning().compose(self.positive, self.negative, stack)
+        s["composite_ours"], self.composite_calls = self.sample(self.stack(both), positive, negative)
+        s["composite_merged"] = self.sample(self.stack(both), self.positive)[0]
         return s
 
     @contextlib.contextmanager
@@ -123,16 +133,23 @@ class Check:
                                          self.hook(self.positive, {"A": 1.0}))[0]}
         s["regions_stock"], self.stock_calls = self.sample(
             self.run.base, self.hook(left, {"A": 1.0}) + self.hook(right, half), self.hook(self.negative, half))
+        alone = ({"A": 1.0}, {"B": 0.8})
+        s["composite_stock"], self.composite_stock_calls = self.sample(
+            self.run.base, [c for k in alone for c in self.hook(self.positive, k)],
+            [c for k in alone for c in self.hook(self.negative, k)])
         return s
 
     def compared(self, s: dict) -> dict:
         return {"prompt_max": s["prompt_stock"].abs().max().item(),
                 "regions_max": s["regions_stock"].abs().max().item(),
+                "composite_max": s["composite_stock"].abs().max().item(),
                 "regions_ours_calls": self.ours_calls, "regions_stock_calls": self.stock_calls,
+                "composite_ours_calls": self.composite_calls, "composite_stock_calls": self.composite_stock_calls,
                 "left_out_logged": self.left_out_logged,
                 **diffs(s, ("prompt_ours", "prompt_stock"),
                         ("prompt_two_models", "prompt_ours"), ("prompt_uniform", "prompt_stock"),
-                        ("regions_ours", "regions_stock"), ("regions_keep", "regions_stock"))}
+                        ("regions_ours", "regions_stock"), ("regions_keep", "regions_stock"),
+                        ("composite_ours", "composite_stock"), ("composite_merged", "composite_stock"))}
 
     def refusals(self) -> dict:
         from tools.comfy_inprocess import import_engine
@@ -151,6 +168,13 @@ class Check:
                 if not isinstance(e.__cause__, ConditioningStrengthError):
                     raise
                 out[f"refusal_{tag}"] = str(e)
+        stack = [(NAMES["A"], 1.0, 0.0), (NAMES["B"], 0.8, 0.0)]
+        for tag, entries in (("one", "#1"), ("twice", "#1, #1"), ("unknown", "flux_nothing")):
+            try:
+                self.composite.LoRACompositeConditioning().compose(self.positive, self.negative, stack, entries)
+                out[f"composite_refusal_{tag}"] = None
+            except ValueError as e:
+                out[f"composite_refusal_{tag}"] = str(e)
         return out
 
 
@@ -165,7 +189,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="multilora-cond-") as folder:
         run = Run(comfy, torch, bridge, folder)
         folder_paths.add_model_folder_path("loras", folder)
-        check = Check(run, import_node_module("conditioning"))
+        check = Check(run, import_node_module("conditioning"), import_node_module("composite"))
         weights = {k: v.clone() for k, v in run.base.model.state_dict().items()}
         base, _ = check.sample(run.base, check.positive)
         samples, refusals = check.ours(), check.refusals()

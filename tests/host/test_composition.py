@@ -1,4 +1,6 @@
-"""LoRASwitchSchedule (LoRA Switch) on a real ComfyUI server, against ComfyUI's own nodes.
+"""The composition methods of Zhong et al. 2024 on a real ComfyUI server: LoRASwitchSchedule (LoRA Switch) against
+ComfyUI's own nodes, and the LoRA Switch and LoRA Composite examples. (LoRA Composite's equality with ComfyUI's hook
+LoRAs, one copy of each conditioning per LoRA, is in test_conditioning.py.)
 
 The reference samples the same steps as a chain of stock KSamplerAdvanced runs, one per turn, each on a model from
 stock LoraLoaderModelOnly nodes that carry that turn's LoRA (and the entries that stay on), one noise. The floor,
@@ -113,4 +115,13 @@ def test_the_example_runs_and_switches(server, floor):
     got = server.run(example)[0]
     merged = {k: v for k, v in example.items() if k != "5"}
     merged["6"] = {**merged["6"], "inputs": {**merged["6"]["inputs"], "lora_stack": ["4", 0]}}
+    assert mad(got, server.run(merged)[0]) > 10 * 3 * floor
+
+
+def test_the_composite_example_runs_in_one_batch_per_step(server, floor):
+    """examples/workflows/composite_api.json: its image is not the two LoRAs merged (the composite removed)."""
+    example = wf.small(wf.load("composite_api.json"), steps=STEPS, prefix="composite")
+    got = server.run(example)[0]
+    merged = {k: v for k, v in example.items() if k != "7"}
+    merged["9"] = {**merged["9"], "inputs": {**merged["9"]["inputs"], "positive": ["5", 0], "negative": ["6", 0]}}
     assert mad(got, server.run(merged)[0]) > 10 * 3 * floor

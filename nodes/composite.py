@@ -1,0 +1,70 @@
+"""LoRACompositeConditioning (LoRA Composite): each LoRA's own guidance, averaged, in one batch per step."""
+
+from __future__ import annotations
+
+from . import bridge
+from .cond_strengths import KEEP, KEY, Named, value_in
+from .shaping import entry_index
+from .stack import CATEGORY, StackError
+from .stack import entries as stack_entries
+
+
+class LoRACompositeConditioning:
+    DESCRIPTION = ("LoRA Composite (Zhong et al. 2024, 'Multi-LoRA Composition for Image Generation'): the "
+                   "sampler's guidance becomes the mean over the composed LoRAs of each one's own guidance, "
+                   "uncondᵢ + cfg·(condᵢ − uncondᵢ), each LoRA alone. Gives the prompt and the negative one copy "
+                   "per composed LoRA, each copy with the other composed LoRAs at 0; ComfyUI averages the copies "
+                   "of a prompt, and samples all 2N in one batch per step. Entries not composed keep their "
+                   "strength in every copy (a speed LoRA). The model must come from MultiLoRALoader with this "
+                   "stack.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("CONDITIONING", "CONDITIONING")
+    RETURN_NAMES = ("positive", "negative")
+    OUTPUT_TOOLTIPS = ("The prompt, one copy per composed LoRA.", "The negative, one copy per composed LoRA.")
+    FUNCTION = "compose"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "positive": ("CONDITIONING", {"tooltip": "The prompt's conditioning."}),
+                "negative": ("CONDITIONING", {"tooltip": "The negative conditioning."}),
+                "lora_stack": ("LORA_STACK", {"tooltip": "The stack of the model being sampled (the one given "
+                                              "to MultiLoRALoader)."}),
+                "entries": ("STRING", {"default": "", "tooltip": "The entries to compose, comma-separated: file "
+                                       "names, names without extension or positions (#1 is the first). Empty: "
+                                       "every entry. Two or more."}),
+            },
+        }
+
+    @bridge.host_errors
+    def compose(self, positive, negative, lora_stack, entries=""):
+        text = entries or ""
+        try:
+            items = stack_entries(lora_stack)
+        except StackError as e:
+            raise ValueError(str(e)) from None
+        refs = [r.strip() for r in text.split(",") if r.strip()]
+        chosen = [entry_index(items, r, "entries") for r in refs] if refs else list(range(len(items)))
+        doubled = sorted({items[i].name for i in chosen if chosen.count(i) > 1})
+        if doubled:
+            raise ValueError(f"entries: {', '.join(doubled)} named twice")
+        if len(chosen) < 2:
+            raise ValueError(f"a composite averages two LoRAs or more; {'entries names' if refs else 'the stack has'} "
+                             f"{len(chosen)}")
+        adapters = bridge.load_loras([items[i].name for i in chosen])
+        names = [Named(a.fingerprint, items[i].name, 0.0) for a, i in zip(adapters, chosen)]
+        copies = [[n for j, n in enumerate(names) if j != k] for k in range(len(names))]  # copy k: the others at 0
+        return _copies(positive, copies), _copies(negative, copies)
+
+
+def _copies(conditioning, copies: list[list[Named]]) -> list:
+    """The conditioning once per copy, each carrying its entries' strengths (the model's for every other LoRA)."""
+    out = []
+    for off in copies:
+        for embedding, values in conditioning:
+            model_conds = values.get("model_conds", {})
+            own = value_in(model_conds) or KEEP  # a LoRAConditioningStrengths before this node
+            strengths = own.with_entries(off, others_off=own.others_off)
+            out.append([embedding, {**values, "model_conds": {**model_conds, KEY: strengths}}])
+    return out
