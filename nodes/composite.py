@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import bridge
 from .cond_strengths import KEEP, KEY, Named, value_in
-from .shaping import entry_index
+from .shaping import entry_list
 from .stack import CATEGORY, StackError
 from .stack import entries as stack_entries
 
@@ -39,19 +39,11 @@ class LoRACompositeConditioning:
 
     @bridge.host_errors
     def compose(self, positive, negative, lora_stack, entries=""):
-        text = entries or ""
         try:
             items = stack_entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        refs = [r.strip() for r in text.split(",") if r.strip()]
-        chosen = [entry_index(items, r, "entries") for r in refs] if refs else list(range(len(items)))
-        doubled = sorted({items[i].name for i in chosen if chosen.count(i) > 1})
-        if doubled:
-            raise ValueError(f"entries: {', '.join(doubled)} named twice")
-        if len(chosen) < 2:
-            raise ValueError(f"a composite averages two LoRAs or more; {'entries names' if refs else 'the stack has'} "
-                             f"{len(chosen)}")
+        chosen = entry_list(items, entries, "entries", "a composite averages")
         adapters = bridge.load_loras([items[i].name for i in chosen])
         names = [Named(a.fingerprint, items[i].name, 0.0) for a, i in zip(adapters, chosen)]
         copies = [[n for j, n in enumerate(names) if j != k] for k in range(len(names))]  # copy k: the others at 0

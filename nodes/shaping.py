@@ -43,6 +43,20 @@ def entry_index(items, ref: str, what: str) -> int:
         raise ValueError(str(e)) from None
 
 
+def entry_list(items, text: str, what: str, purpose: str) -> list[int]:
+    """The entries that `text` names, comma-separated, in its order (all of them for an empty text): two or more,
+    each once; else a ValueError that says `what` names and `purpose` (a switch rotates, a composite averages)."""
+    refs = [r.strip() for r in (text or "").split(",") if r.strip()]
+    chosen = [entry_index(items, r, what) for r in refs] if refs else list(range(len(items)))
+    doubled = sorted({items[i].name for i in chosen if chosen.count(i) > 1})
+    if doubled:
+        raise ValueError(f"{what}: {', '.join(doubled)} named twice; each entry is named once")
+    if len(chosen) < 2:
+        raise ValueError(f"{purpose} two entries or more; {what + ' names' if refs else 'the stack has'} "
+                         f"{len(chosen)}")
+    return chosen
+
+
 def _first(v):
     return v[0] if isinstance(v, list) else v
 
@@ -155,14 +169,7 @@ class LoRASwitchSchedule(ShapesEntry):
             items = entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        refs = [r.strip() for r in (order or "").split(",") if r.strip()]
-        turns = [entry_index(items, r, "order") for r in refs] if refs else list(range(len(items)))
-        doubled = sorted({items[i].name for i in turns if turns.count(i) > 1})
-        if doubled:
-            raise ValueError(f"order: {', '.join(doubled)} named twice; each entry takes one turn")
-        if len(turns) < 2:
-            raise ValueError(f"a switch rotates two entries or more; {'order names' if refs else 'the stack has'} "
-                             f"{len(turns)}")
+        turns = entry_list(items, order, "order", "a switch rotates")
         for position, i in enumerate(turns):
             turn = Switch(position, len(turns), every)
             own = items[i].schedule

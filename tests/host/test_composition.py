@@ -81,7 +81,7 @@ def test_a_switch_equals_stock_samplers_one_per_turn(server, floor, switch, step
 
 @pytest.mark.parametrize("switch, words", [
     ({"every": 1, "order": "#1"}, "a switch rotates two entries or more; order names 1"),
-    ({"every": 1, "order": "#1, #1"}, "named twice; each entry takes one turn"),
+    ({"every": 1, "order": "#1, #1"}, "order: synth_kohya.safetensors named twice; each entry is named once"),
     ({"every": 1, "order": "nothing_here"}, "order: no stack entry named 'nothing_here'"),
 ])
 def test_a_bad_order_is_refused_naming_it(server, switch, words):

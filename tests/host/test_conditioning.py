@@ -44,8 +44,8 @@ def test_every_conditioning_of_a_step_is_sampled_in_one_call(result):
 
 
 @pytest.mark.parametrize("case,text", [
-    ("one", "a composite averages two LoRAs or more; entries names 1"),
-    ("twice", "entries: flux_kohya.safetensors named twice"),
+    ("one", "a composite averages two entries or more; entries names 1"),
+    ("twice", "entries: flux_kohya.safetensors named twice; each entry is named once"),
     ("unknown", "entries: no stack entry named 'flux_nothing'; entries: flux_kohya.safetensors, flux_diffusers"),
 ])
 def test_a_composite_of_a_bad_entries_list_is_refused_naming_it(result, case, text):
