@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import bridge
-from .cond_strengths import KEEP, KEY, Named, value_in
+from .cond_strengths import Named, carrying
 from .shaping import entry_list
 from .stack import CATEGORY, StackError
 from .stack import entries as stack_entries
@@ -47,16 +47,5 @@ class LoRACompositeConditioning:
         adapters = bridge.load_loras([items[i].name for i in chosen])
         names = [Named(a.fingerprint, items[i].name, 0.0) for a, i in zip(adapters, chosen)]
         copies = [[n for j, n in enumerate(names) if j != k] for k in range(len(names))]  # copy k: the others at 0
-        return _copies(positive, copies), _copies(negative, copies)
-
-
-def _copies(conditioning, copies: list[list[Named]]) -> list:
-    """The conditioning once per copy, each carrying its entries' strengths (the model's for every other LoRA)."""
-    out = []
-    for off in copies:
-        for embedding, values in conditioning:
-            model_conds = values.get("model_conds", {})
-            own = value_in(model_conds) or KEEP  # a LoRAConditioningStrengths before this node
-            strengths = own.with_entries(off, others_off=own.others_off)
-            out.append([embedding, {**values, "model_conds": {**model_conds, KEY: strengths}}])
-    return out
+        return ([c for off in copies for c in carrying(positive, off)],
+                [c for off in copies for c in carrying(negative, off)])

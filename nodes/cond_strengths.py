@@ -124,6 +124,18 @@ def value_in(model_conds: dict) -> CondStrengths | None:
     return value if isinstance(value, CondStrengths) else None
 
 
+def carrying(conditioning: list, named: Sequence[Named], others_off: bool | None = None) -> list:
+    """`conditioning` with `named` strengths on each of its items, replacing earlier ones for the same LoRA;
+    `others_off` set, or each item's own kept (None)."""
+    out = []
+    for embedding, values in conditioning:
+        model_conds = values.get("model_conds", {})
+        own = value_in(model_conds) or KEEP
+        strengths = own.with_entries(named, own.others_off if others_off is None else others_off)
+        out.append([embedding, {**values, "model_conds": {**model_conds, KEY: strengths}}])
+    return out
+
+
 def set_on(conds: dict) -> list[CondStrengths]:
     """The strengths the conditionings of `conds` set."""
     return [s for c in conditionings(conds) if (s := value_in(c.get("model_conds", {}))) is not None]

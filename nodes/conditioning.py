@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import bridge
-from .cond_strengths import KEEP, KEY, Named, value_in
+from .cond_strengths import Named, carrying
 from .stack import CATEGORY, StackError, entries
 
 OTHERS = ("keep", "off")
@@ -51,9 +51,4 @@ class LoRAConditioningStrengths:
                              "used; put it on the entry of the model's stack (it shapes the strength set here too)")
         adapters = bridge.load_loras([e.name for e in items])
         named = [Named(a.fingerprint, e.name, e.strength_model) for a, e in zip(adapters, items)]
-        out = []
-        for embedding, values in conditioning:
-            model_conds = values.get("model_conds", {})
-            strengths = (value_in(model_conds) or KEEP).with_entries(named, others_off=others == "off")
-            out.append([embedding, {**values, "model_conds": {**model_conds, KEY: strengths}}])
-        return (out,)
+        return (carrying(conditioning, named, others_off=others == "off"),)
