@@ -12,7 +12,7 @@ import pytest
 
 from tests.host.conftest import UNET_NAME, place, unet_of_checkpoint
 from tests.host.pair_example import (ANIME_HIGH, ANIME_LOW, DETAIL, LIGHTNING_HIGH, LIGHTNING_LOW, MOTION,
-                                     MOTION_LOW, ROWS, SPLIT, make_files, on_sd15)
+                                     MOTION_LOW, NAMES, ROWS, SPLIT, make_files, on_sd15)
 from tools import comfy_server as cs
 from tools import synth
 
@@ -25,7 +25,11 @@ NODE = "() => app.graph.nodes.find((n) => n.type === 'MultiLoRARows').id"
 
 @pytest.fixture(scope="module")
 def page(browser, web_server, web_models_dir, web_comfy_root):
-    make_files(web_models_dir / "loras", cs.find_comfy_python(web_comfy_root))
+    """The example loaded in the page; the LoRA files it placed are removed afterwards, so that the names of the
+    other web tests' folders (the picker's "lightning" search among them) stay their own."""
+    loras = web_models_dir / "loras"
+    placed = [p for p in (loras / n for n in NAMES) if not p.exists()]
+    make_files(loras, cs.find_comfy_python(web_comfy_root))
     unet = web_models_dir / "diffusion_models" / UNET_NAME
     if not unet.exists():
         place(unet_of_checkpoint(web_models_dir / "checkpoints" / synth.CHECKPOINT_NAME), unet)
@@ -36,7 +40,11 @@ def page(browser, web_server, web_models_dir, web_comfy_root):
     node = browser.wait_for(NODE, timeout_s=30)
     browser.wait_for("(id) => [...app.graph.getNodeById(id).multiloraRows.panel.element"
                      ".querySelectorAll('.mlora-low')].every((e) => e.dataset.kind !== 'loading')", node, timeout_s=30)
-    return {"node": node, "api": api}
+    yield {"node": node, "api": api}
+    for path in placed:
+        path.unlink(missing_ok=True)
+        if path.parent != loras and not any(path.parent.iterdir()):
+            path.parent.rmdir()
 
 
 def test_a_pair_shows_both_names_and_each_row_its_target(page, browser, artifacts):
