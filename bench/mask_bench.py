@@ -19,8 +19,10 @@ Methods, for k = 2 and 4, one after another on the same loaded base:
              entries as a hook group (CreateHookLora's), on the base model: one model call per hook group
   regions    the stack at strength 0 and the prompt twice, masked to each subject, each setting its entries'
              strengths (LoRAConditioningStrengths): one call per step, a region's worth of compute per subject
+  auto       the stack with each entry's region found from the attention (LoRAAutoRegions' finder, its words two
+             text tokens of the prompt, find_until 0.4): steps 0 and 1 recorded, the regions applied from step 2
 Columns: plain's median step, and each method's median step over it (the first step is left out: ComfyUI loads and
-patches before it),
+patches before it; for auto, the median of the steps after find_until, and in brackets its recorded step 1),
 the whole run in seconds (nodes, load and sampling, with the LoRA files already in the pack's cache and the OS's),
 and the model calls per step with their batch sizes.
 """
@@ -39,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
 from tools import quant_bases as qb  # noqa: E402
 from tools import synth  # noqa: E402
-from tools.comfy_inprocess import find_comfy, import_node_module  # noqa: E402
+from tools.comfy_inprocess import find_comfy, import_engine, import_node_module  # noqa: E402
 
-METHODS = ("plain", "masked", "hooks", "regions")
+METHODS = ("plain", "masked", "hooks", "regions", "auto")
+UNTIL = 0.4
 STRENGTHS = (0.8, 0.6, -0.5, 0.7)
 CFG = 2.0
 
@@ -51,7 +54,9 @@ class Bench:
         self.host, self.args = host, args
         self.nodes = {"stack": import_node_module("stack").LoRAStack, "loader": import_node_module("loader")
                       .MultiLoRALoader, "mask": import_node_module("masks").LoRAStackMask,
-                      "cond": import_node_module("conditioning").LoRAConditioningStrengths}
+                      "cond": import_node_module("conditioning").LoRAConditioningStrengths,
+                      "entries": import_node_module("stack")}
+        self.found = import_engine("found")
         self.calls: list[int] = []
         self.rows: list[dict] = []
 
@@ -90,17 +95,19 @@ class Bench:
     def build(self, method: str, base, stack):
         """(the model, the positive, the negative) of one method."""
         n = self.nodes
-        if method in ("plain", "masked", "regions"):
+        if method in ("plain", "masked", "regions", "auto"):
             items = None
             for name, s in stack:
                 items = n["stack"]().stack(name, 0.0 if method == "regions" else s, 0.0, lora_stack=items)[0]
             if method == "masked":
                 for j, (name, _) in enumerate(stack):
                     items = n["mask"]().mask(items, name, self.sides[j % 2], 0.0, False, 0.0, 0.0)[0]
+            if method == "auto":
+                items = self.seeking(items)
             model = n["loader"]().apply(base, items)[0]
         else:
             model = base
-        if method in ("plain", "masked"):
+        if method in ("plain", "masked", "auto"):
             positive = self.prompt
         else:
             positive = []
@@ -113,6 +120,16 @@ class Bench:
                     cond = n["cond"]().apply(cond, own, "keep")[0]
                 positive += cond
         return model, positive, self.negative
+
+    def seeking(self, items):
+        """The stack with every entry's region found as it samples: entry j's words are text token 1 or 2 (by its
+        subject), as LoRAAutoRegions finds them in a tokenized prompt."""
+        F, st = self.found, self.nodes["entries"]
+        entries = st.entries(items)
+        key = "t5xxl" if "guidance" in self.prompt[0][1] else "l"  # Flux reads T5 tokens, SD1.5 CLIP-L ones
+        subjects = [F.Subject(e.name, {key: (1 + j % 2,)}) for j, e in enumerate(entries)]
+        finder = F.Finder(subjects, {key: self.prompt[0][0].shape[1]}, UNTIL, 0.3, 1.0)
+        return st.as_stack([e.with_shaping(region=finder.sought(j)) for j, e in enumerate(entries)])
 
     def hook_group(self, entries):
         comfy = self.host.comfy
@@ -140,19 +157,24 @@ class Bench:
         wall = time.perf_counter() - t0
         steps = [b - a for a, b in zip(marks, marks[1:])]
         per_step = len(self.calls) // self.args.steps
-        return {"step": statistics.median(steps), "run": wall, "calls": self.calls[:per_step]}
+        found = round(UNTIL * self.args.steps)  # the first step with the regions; steps[i] is step i + 1's
+        applied = steps[found - 1:] if method == "auto" else steps
+        return {"step": statistics.median(applied), "recorded": steps[0], "run": wall,
+                "calls": self.calls[:per_step]}
 
 
 def format_row(row) -> str:
     c = row["cells"]
     return (f"| {row['model']} | {row['k']} | {1000 * c['plain']['step']:.0f} | "
-            + " / ".join(f"{c[m]['ratio']:.2f}" for m in METHODS) + " | "
+            + " / ".join(f"{c[m]['ratio']:.2f}" for m in METHODS)
+            + f" ({c['auto']['recorded'] / c['plain']['step']:.2f}) | "
             + " / ".join(f"{c[m]['run']:.1f}" for m in METHODS) + " | "
             + " / ".join("+".join(str(b) for b in c[m]["calls"]) for m in METHODS) + " |")
 
 
-HEADER = ("| model | k | plain step ms | step / plain step: plain / masked / hooks / regions | run s: plain / masked / "
-          "hooks / regions | model calls per step (batch sizes): plain / masked / hooks / regions |\n"
+HEADER = ("| model | k | plain step ms | step / plain step: plain / masked / hooks / regions / auto (recording) | "
+          "run s: plain / masked / hooks / regions / auto | model calls per step (batch sizes): plain / masked / "
+          "hooks / regions / auto |\n"
           "|---|---|---|---|---|---|")
 
 

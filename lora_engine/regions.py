@@ -82,13 +82,13 @@ class Region:
         frames, h, w = latent
         m = F.adaptive_avg_pool2d(self.mask.unsqueeze(1), (h, w))  # [M, 1, h, w]
         if self.feather > 0:
-            m = _blur(m, self.feather)
+            m = blur(m, self.feather)
         if frames > 1 and self.count == frames:
             m = m.permute(1, 0, 2, 3)  # [1, frames, h, w]
         return m
 
 
-def _blur(m: torch.Tensor, radius: float) -> torch.Tensor:
+def blur(m: torch.Tensor, radius: float) -> torch.Tensor:
     """A Gaussian blur of [M, 1, h, w] with σ = radius / 2 over 2·⌈radius⌉ + 1 pixels, the edges replicated (a mask
     of ones stays ones)."""
     k = math.ceil(radius)

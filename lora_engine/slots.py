@@ -1,21 +1,17 @@
 """Per-model slots and the activation rules.
 
-A `SlotBank` owns `max_loras` slots on one root module. Each targeted layer
-holds A [N·R, in, *k] and B [out, N·R] on the compute device, R padded to the
-layer's slot rank, so shapes stay fixed while adapters and strengths change
+A `SlotBank` owns `max_loras` slots on one root module. Each targeted layer holds A [N·R, in, *k] and B [out, N·R]
+on the compute device, R padded to the layer's slot rank, so shapes stay fixed while adapters and strengths change
 (`layer.LayerSlots`).
 
-Activation compares the requested set as a set: resident adapters keep their
-slot, only newcomers are written (`writes`: checked first, then copied without
-blocking), an adapter left out releases its slot, strength 0 keeps it warm.
-Strengths live in one device tensor, [N] or [batch, N]; changing them is a
-tensor write. A bank asked for more slots grows in place around its resident
-adapters.
+Activation compares the requested set as a set: resident adapters keep their slot, only newcomers are written
+(`writes`: checked first, then copied without blocking), an adapter left out releases its slot, strength 0 keeps it
+warm. Strengths live in one device tensor, [N] or [batch, N]; changing them is a tensor write. A bank asked for more
+slots grows in place around its resident adapters.
 
-Strength shaping changes numbers only: a schedule multiplies a slot's strength
-at each `set_progress`, and layer weights give a layer its own factor per slot.
-The bank's strength table holds them (`strengths.Strengths`); after every
-change the bank tells each layer which of its slots are live.
+Strength shaping changes numbers only: a schedule multiplies a slot's strength at each `set_progress`, layer weights
+give a layer its own factor per slot, and masks a factor per token. The bank's strength table holds them
+(`strengths.Strengths`); after every change the bank tells each layer which of its slots are live.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from .binding import Binding, bind
 from .errors import SlotLimitError
 from .keymap import KeyMap
 from .layer import LayerSlots
-from .regions import Tokens
+from .regions import Region, Tokens
 from .report import MatchReport
 from .strengths import Entry, Owner, Request, Strength, Strengths
 
@@ -268,26 +264,33 @@ class SlotBank:
             self._tell_layers()
 
     @_state_writes
+    def set_found(self, regions: Mapping[Adapter, Region]) -> None:
+        """Masks found while sampling (`found.Finder`) on resident adapters, beside the activation's own, from the
+        next call until the next `set_found` ({} takes them off) or activation."""
+        with self.lock:
+            self.strengths.set_found({self._slot_of(a): r for a, r in regions.items()})
+            self._tell_layers()
+
+    @_state_writes
     def set_items(self, rows: Mapping[Adapter, Sequence[float | None]] | None) -> None:
         """Per-item strengths for the calls that follow: each adapter of `rows` takes one strength per item of the
         batch (None: its activation's strength for that item), every other resident adapter its activation's
         strength on every item. `None` goes back to the activation's strengths, as does the next activation.
-        Schedules and layer weights shape these strengths as they shape the activation's. A tensor write, skipped
-        when the strengths are those already set; nothing is copied or bound. A slot live (not 0) in any table set
-        since the activation stays live, computing exact zeros where its strength is 0: calls that alternate
-        between tables (a sampler's regions, then its negative) find no layer's live slots again. Refused (a
-        `ShapingError`) where the activation itself gave per-item values (a strength grid's batch)."""
+        Schedules and layer weights shape them as the activation's. A tensor write, skipped when the strengths are
+        those already set; nothing is copied or bound. A slot live (not 0) in any table set
+        since the activation stays live, computing exact zeros where its strength is 0: calls that alternate between
+        tables (a sampler's regions, then its negative) find no layer's live slots again. Refused (a `ShapingError`)
+        where the activation itself gave per-item values (a strength grid's batch)."""
         with self.lock:
             self.strengths.set_items(rows, self._slot_of)
             self._tell_layers()
 
     @_state_writes
     def set_strength(self, adapter: Adapter, value: Strength) -> None:
-        """Change one resident adapter's strength (a number, or one per batch item) to what an activation of the
-        same set with this strength gives: a tensor write. The others keep the strengths their activation gave
-        them, the schedules their progress, and `set_items`' per-item strengths stay set. Raises before anything
-        changes where the strengths would not fit: per-item lengths that differ from each other or from the
-        schedules' and layer weights', or per-item strengths while `set_items`' are set."""
+        """Change one resident adapter's strength (a number, or one per batch item) to what an activation of the same
+        set with this strength gives: a tensor write. The others keep their strengths, the schedules their progress,
+        and `set_items`' per-item strengths stay set. Raises before anything changes where the strengths would not
+        fit: per-item lengths unlike each other's or the schedules' and layer weights', or beside `set_items`'."""
         with self.lock:
             slot = self._slot_of(adapter)
             names = {i: a.name for i, a in enumerate(self.slots) if a is not None}

@@ -194,6 +194,7 @@ class Strengths:
         self._live_shared: list[bool] = [False] * n
         self.live_changed = False
         self.masks = Masks(n, owner.dtype, owner.device)  # the slots' regions and their per-token factors
+        self.assigned: dict[int, Region] = {}  # the regions the activation gave, by slot (`set_found` adds others)
 
     # -- what the layers read ----------------------------------------------------------------------------------
 
@@ -232,8 +233,8 @@ class Strengths:
         made again where the weights changed or `new_layers` (a newcomer may have brought layers)."""
         entries, batch, table = request.entries, request.batch, request.table
         self.schedules = {slots[j]: e.schedule for j, e in enumerate(entries) if e.schedule is not None}
-        if self.masks.set_regions({slots[j]: e.region for j, e in enumerate(entries) if e.region is not None},
-                                  self.n):
+        self.assigned = {slots[j]: e.region for j, e in enumerate(entries) if e.region is not None}
+        if self.masks.set_regions(self.assigned, self.n):
             self.invalidate_live()  # the layers' masked slots change
         weights = {slots[j]: snapshot(e.layer_weights) for j, e in enumerate(entries) if e.layer_weights is not None}
         key = (weights, batch if weights else None)
@@ -246,6 +247,12 @@ class Strengths:
         self.progress, self.steps = 0.0, None
         self.requested = {slots[j]: e.strength for j, e in enumerate(entries)}
         self.push()
+
+    def set_found(self, regions: Mapping[int, Region]) -> None:
+        """See `SlotBank.set_found`; `regions` by slot."""
+        if self.masks.set_regions({**self.assigned, **regions}, self.n):
+            self.invalidate_live()
+            self.push()
 
     def set_progress(self, progress: float, steps: int | None = None) -> None:
         """See `SlotBank.set_progress`."""
@@ -332,7 +339,7 @@ class Strengths:
 
     def clear(self) -> None:
         """No slot held (a released bank)."""
-        self.requested, self._items = {}, None
+        self.requested, self._items, self.assigned = {}, None, {}
         self.masks.set_regions({}, self.n)
         self.weights = None
         self.factors = {}

@@ -2,6 +2,7 @@
 
 from . import bridge, keep_warning, library
 from .as_patches import LoRAStackAsPatches
+from .autoregions import LoRAAutoRegions, LoRAFoundRegions
 from .composite import LoRACompositeConditioning
 from .conditioning import LoRAConditioningStrengths
 from .distill import DistillFuse
@@ -18,9 +19,11 @@ from .stack_save import LoRAStackSave
 
 NODE_CLASS_MAPPINGS = {
     "DistillFuse": DistillFuse,
+    "LoRAAutoRegions": LoRAAutoRegions,
     "LoRABlockWeights": LoRABlockWeights,
     "LoRACompositeConditioning": LoRACompositeConditioning,
     "LoRAConditioningStrengths": LoRAConditioningStrengths,
+    "LoRAFoundRegions": LoRAFoundRegions,
     "LoRAGridImage": LoRAGridImage,
     "LoRAStack": LoRAStack,
     "LoRAStackAsPatches": LoRAStackAsPatches,
@@ -39,9 +42,11 @@ NODE_CLASS_MAPPINGS = {
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "DistillFuse": "DistillFuse (fuse a distilled LoRA once)",
+    "LoRAAutoRegions": "LoRA Auto Regions (from attention)",
     "LoRABlockWeights": "LoRA Block Weights (Multi-LoRA)",
     "LoRACompositeConditioning": "LoRA Composite Conditioning (Multi-LoRA)",
     "LoRAConditioningStrengths": "LoRA Strengths for Conditioning (Multi-LoRA)",
+    "LoRAFoundRegions": "LoRA Found Regions (masks)",
     "LoRAGridImage": "LoRA Grid Image (Multi-LoRA)",
     "LoRAStack": "LoRA Stack (Multi-LoRA)",
     "LoRAStackAsPatches": "LoRA Stack as Weight Patches (Multi-LoRA)",

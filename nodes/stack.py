@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ..lora_engine.blocks import BlockWeights
 from ..lora_engine.errors import shown
+from ..lora_engine.found import Sought
 from ..lora_engine.regions import Region
 from ..lora_engine.schedule import SCHEDULES, Schedule
 
@@ -33,7 +34,7 @@ class Entry:
     strength_clip: float
     schedule: Schedule | None = None
     blocks: BlockWeights | None = None
-    region: Region | None = None
+    region: Region | Sought | None = None  # a mask, or one LoRAAutoRegions finds
 
     @property
     def shaped(self) -> bool:
@@ -54,7 +55,7 @@ class StackItem(tuple):
 
     schedule: Schedule | None
     blocks: BlockWeights | None
-    region: Region | None
+    region: Region | Sought | None
 
     def __new__(cls, name, strength_model, strength_clip, schedule=None, blocks=None, region=None):
         item = super().__new__(cls, (name, strength_model, strength_clip))
@@ -117,7 +118,7 @@ def entries(stack) -> list[Entry]:
         schedule, blocks, region = (getattr(item, k, None) for k in ("schedule", "blocks", "region"))
         out.append(Entry(name, float(sm), float(sc), schedule if isinstance(schedule, SCHEDULES) else None,
                          blocks if isinstance(blocks, BlockWeights) else None,
-                         region if isinstance(region, Region) else None))
+                         region if isinstance(region, (Region, Sought)) else None))
     return out
 
 

@@ -11,10 +11,12 @@ from ...lora_engine import Adapter, SlotLimitError
 from ...lora_engine.binding import no_match
 from ...lora_engine.blocks import BlockWeights, layer_weights, layout
 from ...lora_engine.errors import ShapingError
+from ...lora_engine.found import Sought
 from ...lora_engine.regions import Region
 from ...lora_engine.schedule import Schedule
 from ...lora_engine.strengths import Entry, Request
 
+from .found import Finding, install
 from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use
 from .models import binding_of, log_once, match_report, unhookable_keys, warn_fused
 from .sampling import ModelCallWrapper, PrepareSampling, cell_noise
@@ -32,7 +34,8 @@ def _strength(value) -> float | tuple[float, ...]:
 class StackEntry:
     """One LoRA of a stack as a node gives it to `apply_stack`: the adapter; its model strength, one number or one
     per batch item (a grid's cells; a list or tuple); its CLIP strength; its schedule and block weights, each one
-    value or one per batch item (a tuple); its mask (`region`, the diffusion model's alone). Where the block
+    value or one per batch item (a tuple); its mask (`region`, the diffusion model's alone: a `Region`, or a `Sought`
+    one that LoRAAutoRegions finds as the model samples). Where the block
     weights are one per item (a grid axis varies them), the BASE of `clip_blocks`, the entry's own, scales its CLIP
     strength."""
 
@@ -42,7 +45,7 @@ class StackEntry:
     schedule: Schedule | tuple[Schedule | None, ...] | None = None
     blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
     clip_blocks: BlockWeights | None = None
-    region: Region | None = None
+    region: Region | Sought | None = None
 
 
 def model_blocks(root) -> list:
@@ -75,8 +78,8 @@ def fixed_strengths(entry: StackEntry, unet_root, holds: str, remedy: str):
                            f"steps; {holds}", path=adapter.path, remedy=remedy)
     if entry.region is not None:
         raise ShapingError(f"{adapter.name} has a mask, which gives it a strength per token at sampling; {holds}",
-                           path=adapter.path, remedy="take LoRAStackMask off this entry, or sample the stack "
-                                                     "through MultiLoRALoader, which applies masks")
+                           path=adapter.path, remedy="take LoRAStackMask or LoRAAutoRegions off this entry, or "
+                                                     "sample the stack through MultiLoRALoader, which applies masks")
     if isinstance(entry.strength_model, (list, tuple)) or isinstance(entry.blocks, tuple):
         raise ShapingError(f"{adapter.name} has one strength per batch item (a grid's cells); {holds}",
                            path=adapter.path, remedy="give the entry one strength")
@@ -117,7 +120,7 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
     max_loras = max_loras or len(distinct)
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
-    model_entries, clip_entries = [], []
+    model_entries, clip_entries, sought = [], [], []
     roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
     for entry in stack:
         adapter = entry.adapter
@@ -132,12 +135,15 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
         warn_fused(adapter, unet_root, entry.strength_model)
         schedule, weights, base = _model_shaping(entry, unet_root, on_model)
         if on_model is not None:
-            model_entries.append(Entry(adapter, _strength(entry.strength_model), schedule, weights, entry.region))
+            region = entry.region if isinstance(entry.region, Region) else None
+            model_entries.append(Entry(adapter, _strength(entry.strength_model), schedule, weights, region))
+            if isinstance(entry.region, Sought):
+                sought.append((adapter, entry.region))
         if on_clip is not None:
             clip_entries.append(Entry(adapter, _strength(entry.strength_clip) * base))
     new_model = model
     if model_entries:
-        new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet")
+        new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet", finding=finding_of(sought))
     new_clip = clip
     if clip is not None and clip_entries:
         new_clip = clip.clone()
@@ -145,7 +151,26 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
     return new_model, new_clip
 
 
-def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None):
+def finding_of(sought: list[tuple[Adapter, Sought]]) -> Finding | None:
+    """The regions a stack's entries seek, of one LoRAAutoRegions (its `Finder`), each entry's adapter by its
+    subject; None where none seeks one."""
+    if not sought:
+        return None
+    finders = {id(s.finder): s.finder for _, s in sought}
+    if len(finders) > 1:
+        raise ShapingError("the stack holds the entries of two LoRAAutoRegions nodes; one finds the regions of "
+                           "every entry it names", remedy="name all the entries in one LoRAAutoRegions")
+    finder = next(iter(finders.values()))
+    by_subject = {s.index: a for a, s in sought}
+    missing = [s.name for i, s in enumerate(finder.subjects) if i not in by_subject]
+    if missing:
+        raise ShapingError(f"LoRAAutoRegions seeks the regions of {', '.join(missing)}, which the stack given to "
+                           "the loader no longer holds (or which matches no layer of the model)",
+                           remedy="connect LoRAAutoRegions' stack to the loader as it is")
+    return Finding(finder, tuple(by_subject[i] for i in range(len(finder.subjects))))
+
+
+def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None, finding=None):
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
     it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
     (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
@@ -160,7 +185,11 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     slots = max(slots, prior.slots if prior else 0, len(request.entries))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
-    injection = StackInjection(Stack(tuple(merged), slots, kind, request), merges, root)
+    if finding is not None and prior is not None and prior.finding is not None:
+        raise ShapingError("two loaders on one model each carry a LoRAAutoRegions stack",
+                           remedy="find the regions of every entry with one LoRAAutoRegions, in one loader")
+    finding = finding or (prior.finding if prior is not None else None)
+    injection = StackInjection(Stack(tuple(merged), slots, kind, request, finding), merges, root)
     track_use(root if root is not None else clone.model, injection)
     clone.set_injections(INJECTION_KEY, [injection])
     detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
@@ -172,8 +201,10 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
             clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)
         items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
-        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items))
-        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling())
+        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items, finding))
+        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling(finding))
+        if finding is not None:
+            install(clone)
         if items:
             clone.add_wrapper_with_key(wrappers.SAMPLER_SAMPLE, WRAPPER_KEY, cell_noise)
     return clone

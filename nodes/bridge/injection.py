@@ -16,6 +16,7 @@ from ...lora_engine import Adapter, SlotBank, all_banks
 from ...lora_engine.strengths import Entry, Request
 
 from .errors import host_errors
+from .found import Finding
 from .models import bank_of
 
 log = logging.getLogger("multilora")
@@ -32,6 +33,7 @@ class Stack:
     slots: int
     kind: str  # "unet" or "clip"
     request: Request
+    finding: Finding | None = None  # the regions its entries seek (LoRAAutoRegions)
 
 
 def merge_patches(patcher) -> int:

@@ -16,6 +16,7 @@ from ...lora_engine.schedule import step_progress
 from .. import cond_strengths
 from ..cond_strengths import CondBatch
 from .errors import host_errors
+from .found import Finding
 from .injection import Stack, injection_of, release_unloaded
 from .models import first_time
 from .tokens import check_masks, tokens_of
@@ -80,12 +81,15 @@ class ModelCallWrapper:
     from the call's sigma. With masks, it tells the bank where the call's tokens lie (`tokens`). With per-item
     strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the call's batch
     has that many items: a latent of another batch would otherwise spread the cells over the cond and uncond chunks
-    instead, and sample wrong images without an error. The call's batch is told to the bank for the call's duration (`SlotBank.call_rows`): a layer whose input has other rows
-    (HiDream's routed experts) then refuses per-item strengths instead of giving them to other items' tokens."""
+    instead, and sample wrong images without an error. The call's batch is told to the bank for the call's duration
+    (`SlotBank.call_rows`): a layer whose input has other rows (HiDream's routed experts) then refuses per-item
+    strengths instead of giving them to other items' tokens. With regions to find (`found.Finding`), it marks the
+    calls before find_until for recording, and puts the regions on the bank at find_until."""
 
-    def __init__(self, scheduled: bool = True, items: int = 0):
+    def __init__(self, scheduled: bool = True, items: int = 0, finding: Finding | None = None):
         self.scheduled = scheduled
         self.items = items
+        self.finding = finding
 
     @host_errors
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
@@ -104,8 +108,13 @@ class ModelCallWrapper:
                 bank.set_items(strengths.rows([a for a in bank.slots if a is not None], x.shape[0]))
             else:
                 bank.set_items(None)
-            if self.scheduled:
-                bank.set_progress(sampling_progress(root, t, transformer_options), sampling_steps(transformer_options))
+            if self.scheduled or self.finding is not None:
+                progress = sampling_progress(root, t, transformer_options)
+                if self.scheduled:
+                    bank.set_progress(progress, sampling_steps(transformer_options))
+                if self.finding is not None:
+                    transformer_options = self.finding.before_call(bank, progress, x, c_crossattn,
+                                                                   transformer_options)
             if bank.masked:
                 bank.set_tokens(tokens_of(root, x))  # where the masks' rows lie in this call
             bank.call_rows = x.shape[0]  # per-item strengths reach only layers whose input has these rows
@@ -125,6 +134,9 @@ class PrepareSampling:
     where others are found (a conditioning for both experts of Wan 2.2, each with a stack of its own) is logged
     once.
 
+    A stack whose regions are found as it samples (LoRAAutoRegions, `found.Finding`) is checked: the model's
+    family records attention, and the prompt's words were tokenized for its text encoder; its finder starts afresh.
+
     The slots of other models that ComfyUI has unloaded are released (`release_unloaded`), so that they are not
     counted against the free memory this load measures.
 
@@ -135,9 +147,14 @@ class PrepareSampling:
     inside that load, a new bank's slots were made after the decision. The injection then finds the stack active
     and copies nothing; where the load fails before it injects, the stack is deactivated again."""
 
+    def __init__(self, finding: Finding | None = None):
+        self.finding = finding
+
     @host_errors
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
         injection = injection_of(model)
+        if self.finding is not None:
+            self.finding.check(model.model)  # the family records attention; the finder starts afresh
         masked = [(e.adapter.name, e.region) for e in injection.stack.entries if e.region is not None] \
             if injection is not None else []
         if masked:

@@ -1,8 +1,8 @@
 """Every example workflow is valid against the real server's /object_info: node classes, input names,
 required inputs, link targets and socket types; and each UI-format file matches its API twin.
-(multilora_api.json, lora_grid_api.json, shaping_api.json, masked_api.json, switch_api.json, composite_api.json
-and wan22_pairs_api.json are also executed by test_multilora.py, test_grid.py, test_shaping.py, test_mask_example.py,
-test_composition.py and, on SD1.5 stand-ins, test_pairs.py; the Wan2.2 distill example needs real Wan weights, so it is validated here but not run.)"""
+(multilora_api.json, lora_grid_api.json, shaping_api.json, masked_api.json, switch_api.json, composite_api.json,
+auto_regions_api.json and wan22_pairs_api.json are also executed by test_multilora.py, test_grid.py, test_shaping.py,
+test_mask_example.py, test_composition.py, test_found_example.py and, on SD1.5 stand-ins, test_pairs.py; the Wan2.2 distill example needs real Wan weights, so it is validated here but not run.)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def object_info(server):
 
 def test_there_are_examples():
     assert {"multilora_api.json", "lora_grid_api.json", "shaping_api.json", "wan22_distill_api.json",
-            "wan22_pairs_api.json", "switch_api.json", "composite_api.json"} <= set(API_FILES)
+            "wan22_pairs_api.json", "switch_api.json", "composite_api.json", "auto_regions_api.json"} <= set(API_FILES)
 
 
 @pytest.mark.parametrize("name", API_FILES)

@@ -1,0 +1,162 @@
+"""In-process on ComfyUI's Flux: regions found from the attention of the sampling run itself (LoRAAutoRegions'
+`Finder`, the bridge's recorder on ComfyUI's attention override).
+
+Run with ComfyUI's python (tests/host/test_found.py does):
+
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/found_check.py [--out result.json]
+
+The tiny Flux and the two LoRAs A (kohya) and B (diffusers) of sampling_check.py; Euler, 4 steps, cfg 2 (the
+negative in each call's batch), one seed. Its text is no tokenizer's: A's words are text tokens 1 and 2 of the
+context, B's token 5, given to the finder as LoRAAutoRegions gives the positions it finds.
+
+    plain        the stack A 1.0, B -0.6
+    recorded     the same stack seeking A's and B's regions, find_until 1: every step recorded, none applied
+    auto         find_until 0.5: steps 0 and 1 recorded, the regions found at step 2 and applied from there
+    split        steps 0–1 of plain, then steps 2–3 with auto's regions as masks (`Region`, LoRAStackMask's), as
+                 two KSamplerAdvanced sample: the regions found, reused
+    plain_split  steps 0–1, then 2–3, of plain: a split run's own floor
+    stock        the stack by ComfyUI's LoraLoader (comfy.sd.load_lora_for_models): the floor of the stack
+
+The model calls are counted (their batch sizes) for plain, recorded and auto; the attention calls recorded, and
+the regions found (their share of the latent, per entry). Refused before sampling: a HunyuanVideo model (a family
+whose attention is not recorded), and the finder's prompt longer than the model's text.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
+from tests.host.sampling_check import Run, arguments, diffs, emit  # noqa: E402
+
+STEPS, CFG, SPLIT = 4, 2.0, 2
+WORDS = {"A": (1, 2), "B": (5,)}
+
+
+class Check:
+    def __init__(self, run: Run):
+        from tools.comfy_inprocess import import_engine
+        self.found = import_engine("found")
+        self.Region = import_engine("regions").Region
+        self.run = run
+        torch = run.torch
+        self.positive = [[run.context, dict(run.cond)]]
+        g = torch.Generator().manual_seed(21)
+        self.negative = [[torch.randn(run.context.shape, generator=g), dict(run.cond)]]
+        self.calls: list[int] = []
+        run.base.model.diffusion_model.register_forward_pre_hook(lambda _m, args: self.calls.append(args[0].shape[0]))
+
+    def finder(self, until: float):
+        F = self.found
+        tokens = {"t5xxl": self.run.context.shape[1]}
+        return F.Finder([F.Subject(n, {"t5xxl": w}) for n, w in WORDS.items()], tokens, until, 0.3, 1.0)
+
+    def stack(self, finder=None, regions=(None, None), model=None):
+        bridge, run = self.run.bridge, self.run
+        seek = [None, None] if finder is None else [finder.sought(0), finder.sought(1)]
+        entries = [bridge.StackEntry(run.adapters["kohya"], 1.0, 0.0, region=seek[0] or regions[0]),
+                   bridge.StackEntry(run.adapters["diffusers"], -0.6, 0.0, region=seek[1] or regions[1])]
+        return bridge.apply_stack(model or run.base, None, entries, 2)[0]
+
+    def sample(self, model, start=None, last=None, latent=None, noise=True):
+        run = self.run
+        self.calls.clear()
+        x = run.noise if noise else run.torch.zeros_like(run.noise)
+        out = run.comfy.sample.sample(model, x, STEPS, CFG, "euler", "simple", self.positive, self.negative,
+                                      run.latent if latent is None else latent, disable_noise=not noise,
+                                      start_step=start, last_step=last, force_full_denoise=last is None,
+                                      disable_pbar=True, seed=7)
+        return out.float(), list(self.calls)
+
+    def split(self, second):
+        first, _ = self.sample(self.stack(), 0, SPLIT)
+        return self.sample(second, SPLIT, STEPS, latent=first, noise=False)[0]
+
+    def samples(self) -> dict:
+        s, out = {}, {}
+        s["plain"], out["plain_calls"] = self.sample(self.stack())
+        s["stock"] = self.sample(self.run.stock_stack(self.run.base))[0]
+        recorded = self.finder(1.0)
+        s["recorded"], out["recorded_calls"] = self.sample(self.stack(recorded))
+        out["recorded_attention_calls"] = recorded.calls
+        out["recorded_found"] = recorded.found is not None
+        auto = self.finder(0.5)
+        s["auto"], out["auto_calls"] = self.sample(self.stack(auto))
+        out["auto_attention_calls"] = auto.calls
+        out["auto_shares"] = [float(m.mean()) for m in auto.found]
+        out["auto_overlap"] = float((auto.found[0] * auto.found[1]).sum())
+        regions = [self.Region.of(m) for m in auto.found]
+        s["split"] = self.split(self.stack(regions=regions))
+        s["plain_split"] = self.split(self.stack())
+        again = self.finder(0.5)  # a second run of the same finder on the same model finds the same regions
+        model = self.stack(again)
+        self.sample(model)
+        first = again.found.clone()
+        s["auto_again"] = self.sample(model)[0]
+        out["found_again_equal"] = bool(self.run.torch.equal(first, again.found))
+        out["max"] = s["plain"].abs().max().item()
+        return s, out
+
+    def refusals(self) -> dict:
+        from tools.comfy_inprocess import build_model, import_engine
+        torch, comfy, bridge, run = self.run.torch, self.run.comfy, self.run.bridge, self.run
+        ShapingError = import_engine("errors").ShapingError
+        out = {"refusal_family": None, "refusal_length": None}
+        fam = families(comfy)["hunyuan_video"]
+        other = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
+                            expect=fam.expect, buffers=fam.buffers, std=fam.std)
+        w = Writer(torch, dict(other.model.named_modules()), comfy.lora.model_lora_keys_unet(other.model, {}),
+                   torch.Generator().manual_seed(3), other.model.model_config.unet_config)
+        fam.layouts["musubi"](w)
+        _, adapter = run.load("hunyuan_video_found.safetensors", w.sd)
+        F = self.found
+        finder = F.Finder([F.Subject("hv", {"t5xxl": (1,)})], {"t5xxl": 4}, 0.5)
+        model = bridge.apply_stack(other, None, [bridge.StackEntry(adapter, 1.0, 0.0, region=finder.sought(0))], 1)[0]
+        inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
+        cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
+        self.calls.clear()
+        try:
+            comfy.sample.sample(model, torch.randn(inputs["x"].shape), 1, 1.0, "euler", "simple", cond, cond,
+                                torch.zeros(inputs["x"].shape), disable_pbar=True, seed=7)
+        except ValueError as e:
+            if not isinstance(e.__cause__, ShapingError):
+                raise
+            out["refusal_family"] = str(e)
+        long = F.Finder([F.Subject("A", {"t5xxl": (1,)})], {"t5xxl": run.context.shape[1] + 1}, 0.5)
+        try:
+            self.sample(self.stack(long))
+        except ValueError as e:
+            if not isinstance(e.__cause__, ShapingError):
+                raise
+            out["refusal_length"] = f"{e} (model calls before it: {len(self.calls)})"
+        return out
+
+
+def main() -> int:
+    args = arguments(__doc__)
+    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
+    comfy = import_comfy(find_comfy(args.comfy), "cpu")
+    import torch
+    torch.set_num_threads(1)
+    bridge = import_bridge()
+    with tempfile.TemporaryDirectory(prefix="multilora-found-") as folder:
+        run = Run(comfy, torch, bridge, folder)
+        check = Check(run)
+        s, result = check.samples()
+        result.update(check.refusals())
+        s["base"] = check.sample(run.base)[0]
+        result.update(diffs(s, ("recorded", "plain"), ("auto", "split"), ("plain_split", "plain"),
+                            ("plain", "stock"), ("auto", "plain"), ("auto_again", "auto"), ("plain", "base")))
+        result["recorded_equal"] = bool(torch.equal(s["recorded"], s["plain"]))
+        comfy.model_management.unload_all_models()
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
