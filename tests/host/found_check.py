@@ -17,6 +17,11 @@ context, B's token 5, given to the finder as LoRAAutoRegions gives the positions
     plain_split  steps 0–1, then 2–3, of plain: a split run's own floor
     stock        the stack by ComfyUI's LoraLoader (comfy.sd.load_lora_for_models): the floor of the stack
 
+Built attention: ComfyUI's own attention functions (a UNet's `optimized_attention` with the transformer's
+`activations_shape`, Flux's `attention` in a double block) called with queries and keys built so that the answer is
+known (the left half of a 4×6 grid reads text token 1, the right half token 3) and the recorder as their override:
+`built_unet` and `built_flux` are the regions found, which are those halves.
+
 The model calls are counted (their batch sizes) for plain, recorded and auto; the attention calls recorded, and
 the regions found (their share of the latent, per entry). Refused before sampling: a HunyuanVideo model (a family
 whose attention is not recorded), and the finder's prompt longer than the model's text.
@@ -103,6 +108,40 @@ class Check:
         out["max"] = s["plain"].abs().max().item()
         return s, out
 
+    def built(self) -> dict:
+        """The regions found from attention calls built by the test (the module docstring), per family."""
+        import importlib
+        torch, comfy = self.run.torch, self.run.comfy
+        import comfy.ldm.flux.math as flux_math
+        import comfy.ldm.modules.attention as unet_attention
+        found = importlib.import_module(self.run.bridge.__name__ + ".found")
+        F, heads, d, text, grid = self.found, 2, 4, 6, (4, 6)
+        keys = torch.zeros(text, d)
+        keys[1, 1], keys[3, 3] = 4.0, 4.0  # the words' keys; every other text token has none
+        where = torch.full(grid, 3)
+        where[:, : grid[1] // 2] = 1
+        q = keys[where.reshape(-1)].reshape(1, 1, -1, d).expand(1, heads, -1, -1)  # [1, heads, 24, d]
+        k = keys.reshape(1, 1, text, d).expand(1, heads, -1, -1)
+        out = {}
+        for family, encoder in (("UNetModel", "l"), ("Flux", "t5xxl")):
+            finder = F.Finder([F.Subject("A", {encoder: (1,)}), F.Subject("B", {encoder: (3,)})], {encoder: text},
+                              0.5, 0.3, 0.0)
+            finding = found.Finding(finder, (None, None), encoder, family)
+            options = {found.OVERRIDE: found.Recorder(), "activations_shape": [1, 8, *grid],
+                       found.CALL: found.Call(finding, (8, 12), text, slice(0, 1))}
+            if family == "UNetModel":  # [batch, tokens, heads·d], as a UNet's CrossAttention hands them
+                flat = [t.transpose(1, 2).reshape(1, t.shape[2], heads * d) for t in (q, k)]
+                unet_attention.optimized_attention(flat[0], flat[1], flat[1], heads, transformer_options=options)
+            else:  # the text first, then the image, as Flux's double block concatenates them
+                qq, kk = torch.cat([torch.zeros(1, heads, text, d), q], 2), torch.cat([k, torch.zeros_like(q)], 2)
+                flux_math.attention(qq, kk, kk, None, transformer_options={**options, "block_type": "double"})
+            masks = finder.find()
+            left = torch.zeros(8, 12)
+            left[:, :6] = 1.0
+            out[f"built_{family}"] = bool(torch.equal(masks[0, 0], left) and torch.equal(masks[1, 0], 1.0 - left))
+            out[f"built_{family}_calls"] = finder.calls
+        return out
+
     def refusals(self) -> dict:
         from tools.comfy_inprocess import build_model, import_engine
         torch, comfy, bridge, run = self.run.torch, self.run.comfy, self.run.bridge, self.run
@@ -150,6 +189,7 @@ def main() -> int:
         check = Check(run)
         s, result = check.samples()
         result.update(check.refusals())
+        result.update(check.built())
         s["base"] = check.sample(run.base)[0]
         result.update(diffs(s, ("recorded", "plain"), ("auto", "split"), ("plain_split", "plain"),
                             ("plain", "stock"), ("auto", "plain"), ("auto_again", "auto"), ("plain", "base")))

@@ -1,7 +1,8 @@
 """Regions found from the model's own attention in the sampling run that uses them, on ComfyUI's Flux, in-process:
 `found_check.py` runs once with ComfyUI's python (no server); its docstring lists the samples. Which token goes
-to which entry is held by tests/engine/test_found.py, whose attention is built so that the answer is known; here
-the tiny model's random attention gives some regions, and what is held is how the run uses them.
+to which entry is held on attention built so that the answer is known, through ComfyUI's own attention functions
+here and on the finder alone in tests/engine/test_found.py; in the sampling runs the tiny model's random attention
+gives some regions, and what is held is how the run uses them.
 
 Tolerance: twice the larger floor measured in the same run, our stack against ComfyUI's LoraLoader with the same
 files and a run split in two against the same run whole, and never under 1e-6 of the output's magnitude. The
@@ -60,3 +61,9 @@ def test_a_family_without_a_recorder_and_a_prompt_of_another_length_are_refused(
     assert "LoRAStackMask" in result["refusal_family"]
     assert "the prompt given to LoRAAutoRegions has 9 (t5xxl)" in result["refusal_length"]
     assert "positive prompt's own text" in result["refusal_length"]
+
+
+@pytest.mark.parametrize("family", ["UNetModel", "Flux"])
+def test_attention_built_through_comfyuis_own_functions_gives_the_halves_its_words_are_read_by(result, family):
+    assert result[f"built_{family}_calls"] == 1
+    assert result[f"built_{family}"]
