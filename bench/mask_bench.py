@@ -50,6 +50,10 @@ CFG = 2.0
 
 
 class Bench:
+    """The methods side by side on each model: `build` makes a method's model and conditionings, `cell` times it."""
+
+    METHODS = METHODS
+
     def __init__(self, host: qb.Host, args):
         self.host, self.args = host, args
         self.nodes = {"stack": import_node_module("stack").LoRAStack, "loader": import_node_module("loader")
@@ -82,14 +86,14 @@ class Bench:
         self.sample(spec, base)  # warm: the first load done
         for k in self.args.ks:
             stack = list(zip(names[:k], STRENGTHS[:k]))
-            for method in METHODS:  # warm: every file read, by the pack's cache and ComfyUI's hooks alike
+            for method in self.METHODS:  # warm: every file read, by the pack's cache and ComfyUI's hooks alike
                 self.sample(spec, *self.build(method, base, stack))
-            cells = {m: self.cell(spec, m, base, stack) for m in METHODS}
+            cells = {m: self.cell(spec, m, base, stack) for m in self.METHODS}
             plain = cells["plain"]["step"]
             for c in cells.values():
                 c["ratio"] = c["step"] / plain
             self.rows.append({"model": spec.label, "k": k, "cells": cells})
-            print(format_row(self.rows[-1]), flush=True)
+            print(format_row(self.rows[-1], self.METHODS), flush=True)
         host.unload()
 
     def build(self, method: str, base, stack):
@@ -163,13 +167,13 @@ class Bench:
                 "calls": self.calls[:per_step]}
 
 
-def format_row(row) -> str:
+def format_row(row, methods=METHODS) -> str:
     c = row["cells"]
+    recording = f" ({c['auto']['recorded'] / c['plain']['step']:.2f})" if "auto" in methods else ""
     return (f"| {row['model']} | {row['k']} | {1000 * c['plain']['step']:.0f} | "
-            + " / ".join(f"{c[m]['ratio']:.2f}" for m in METHODS)
-            + f" ({c['auto']['recorded'] / c['plain']['step']:.2f}) | "
-            + " / ".join(f"{c[m]['run']:.1f}" for m in METHODS) + " | "
-            + " / ".join("+".join(str(b) for b in c[m]["calls"]) for m in METHODS) + " |")
+            + " / ".join(f"{c[m]['ratio']:.2f}" for m in methods) + recording + " | "
+            + " / ".join(f"{c[m]['run']:.1f}" for m in methods) + " | "
+            + " / ".join("+".join(str(b) for b in c[m]["calls"]) for m in methods) + " |")
 
 
 HEADER = ("| model | k | plain step ms | step / plain step: plain / masked / hooks / regions / auto (recording) | "
@@ -178,8 +182,9 @@ HEADER = ("| model | k | plain step ms | step / plain step: plain / masked / hoo
           "|---|---|---|---|---|---|")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(doc: str, bench_class, header: str) -> int:
+    """Parse the command line, and run `bench_class`'s methods on each model asked for; print the table."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy", help="ComfyUI folder (default $COMFYUI_PATH, else ~/comfy/ComfyUI)")
     ap.add_argument("--models", default="flux,sd15", help="flux, sd15 or flux,sd15 (default both)")
     ap.add_argument("--ks", default="2,4", help="LoRAs per stack (default 2,4)")
@@ -193,12 +198,12 @@ def main() -> int:
     comfy_root = find_comfy(args.comfy)
     started = time.monotonic()
     import tempfile
-    work = Path(tempfile.mkdtemp(prefix="multilora-mask-"))
+    work = Path(tempfile.mkdtemp(prefix="multilora-bench-"))
     host = qb.Host(comfy_root, work, synth.default_cache_dir())
     import comfyui_version
     print(f"machine: {machine_line()}; ComfyUI {comfyui_version.__version__}, torch {host.torch.__version__}, "
           f"{host.torch.get_num_threads()} threads", flush=True)
-    bench = Bench(host, args)
+    bench = bench_class(host, args)
     for name in args.models.split(","):
         if name == "flux":
             spec = qb.Flux(hidden=args.hidden, tokens=args.tokens, txt_tokens=args.txt_tokens)
@@ -210,12 +215,12 @@ def main() -> int:
         else:
             sys.exit(f"--models: flux or sd15, got {name!r}")
         bench.run_model(spec)
-    print("\n" + HEADER)
+    print("\n" + header)
     for row in bench.rows:
-        print(format_row(row))
+        print(format_row(row, bench.METHODS))
     print(f"\nwhole run {time.monotonic() - started:.0f} s; machine at the end: {machine_line()}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(__doc__, Bench, HEADER))
