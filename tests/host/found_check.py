@@ -22,6 +22,12 @@ Built attention: ComfyUI's own attention functions (a UNet's `optimized_attentio
 known (the left half of a 4×6 grid reads text token 1, the right half token 3) and the recorder as their override:
 `built_unet` and `built_flux` are the regions found, which are those halves.
 
+The nodes: LoRAAutoRegions on the stack's two files (in a loras folder given to ComfyUI's `folder_paths`), with
+ComfyUI's CLIP object holding Flux's own tokenizer (CLIP-L and T5-XXL) and no text encoder (T5-XXL's config is fixed
+at 4.7 B parameters, too big for these tests), the prompt "a knight and a red dragon" and the subjects `knight` and
+`red dragon`; then MultiLoRALoader, a sampling with a context of the T5 tokens' length (find_until 0.5), and
+LoRAFoundRegions: `node_*` are the words' positions, the model calls, and the masks read.
+
 The model calls are counted (their batch sizes) for plain, recorded and auto; the attention calls recorded, and
 the regions found (their share of the latent, per entry). Refused before sampling: a HunyuanVideo model (a family
 whose attention is not recorded), and the finder's prompt longer than the model's text.
@@ -142,6 +148,33 @@ class Check:
             out[f"built_{family}_calls"] = finder.calls
         return out
 
+    def nodes(self) -> dict:
+        """LoRAAutoRegions, MultiLoRALoader and LoRAFoundRegions on the tiny Flux (the module docstring)."""
+        from tools.comfy_inprocess import import_node_module
+        import folder_paths
+        from comfy.text_encoders.flux import FluxTokenizer
+        run, torch = self.run, self.run.torch
+        folder_paths.add_model_folder_path("loras", run.folder)
+        clip = run.comfy.sd.CLIP(no_init=True)  # ComfyUI's CLIP object, its tokenizer alone, as CLIP.clone fills one
+        clip.tokenizer, clip.tokenizer_options = FluxTokenizer(), {}
+        stack = [("flux_kohya.safetensors", 1.0, 0.0), ("flux_diffusers.safetensors", -0.6, 0.0)]
+        seek = import_node_module("autoregions")
+        placed = seek.LoRAAutoRegions().seek(stack, clip, "a knight and a red dragon", "#1: knight\n#2: red dragon",
+                                              0.5, 0.3, 1.0, "off", 0.0)[0]
+        finder = placed[0].region.finder
+        model = import_node_module("loader").MultiLoRALoader().apply(run.base, placed)[0]
+        length = finder.tokens["t5xxl"]
+        g = torch.Generator().manual_seed(5)
+        context = torch.randn(1, length, run.context.shape[-1], generator=g)
+        self.calls.clear()
+        run.comfy.sample.sample(model, run.noise, STEPS, CFG, "euler", "simple", [[context, dict(run.cond)]],
+                                [[torch.zeros_like(context), dict(run.cond)]], run.latent, disable_pbar=True, seed=7)
+        masks = seek.LoRAFoundRegions().read(placed, {"samples": run.latent}, "")[0]
+        return {"node_words": [dict(s.words) for s in finder.subjects], "node_t5_tokens": length,
+                "node_calls": list(self.calls), "node_attention_calls": finder.calls,
+                "node_masks": list(masks.shape), "node_latent": list(run.latent.shape),
+                "node_masks_binary": bool(((masks == 0) | (masks == 1)).all())}
+
     def refusals(self) -> dict:
         from tools.comfy_inprocess import build_model, import_engine
         torch, comfy, bridge, run = self.run.torch, self.run.comfy, self.run.bridge, self.run
@@ -190,6 +223,7 @@ def main() -> int:
         s, result = check.samples()
         result.update(check.refusals())
         result.update(check.built())
+        result.update(check.nodes())
         s["base"] = check.sample(run.base)[0]
         result.update(diffs(s, ("recorded", "plain"), ("auto", "split"), ("plain_split", "plain"),
                             ("plain", "stock"), ("auto", "plain"), ("auto_again", "auto"), ("plain", "base")))

@@ -67,3 +67,12 @@ def test_a_family_without_a_recorder_and_a_prompt_of_another_length_are_refused(
 def test_attention_built_through_comfyuis_own_functions_gives_the_halves_its_words_are_read_by(result, family):
     assert result[f"built_{family}_calls"] == 1
     assert result[f"built_{family}"]
+
+
+def test_the_nodes_run_on_flux_with_its_own_tokenizer(result):
+    """LoRAAutoRegions finds the words in Flux's T5 tokens, the model reads them, LoRAFoundRegions reads the regions."""
+    knight, dragon = result["node_words"]
+    assert len(knight["t5xxl"]) >= 1 and len(dragon["t5xxl"]) >= 2 and max(knight["t5xxl"]) < min(dragon["t5xxl"])
+    assert result["node_calls"] == [2] * STEPS and result["node_attention_calls"] == 4  # 2 steps, 2 double blocks
+    items, _, h, w = result["node_latent"]
+    assert result["node_masks"] == [2 * items, 8 * h, 8 * w] and result["node_masks_binary"]
