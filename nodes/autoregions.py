@@ -102,8 +102,9 @@ class LoRAAutoRegions(ShapesEntry):
                 "subjects": ("STRING", {"multiline": True, "default": "", "tooltip": "One line per entry to "
                                         "place: 'entry: words' (the entry by file name, name without extension "
                                         "or #position; the words that name its subject in the prompt, comma-"
-                                        "separated), or 'entry' alone for its trigger words. Empty: every entry, "
-                                        "by its trigger words. Entries not named apply everywhere."}),
+                                        "separated), or 'entry' alone for its trigger words. Empty: every entry "
+                                        "whose trigger words are in the prompt. Entries not placed apply "
+                                        "everywhere."}),
                 "find_until": ("FLOAT", {"default": 0.25, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip":
                                          "The share of the steps over which the attention is recorded; the regions "
                                          "apply from the next step. 1: record every step, apply none (read them "
@@ -129,19 +130,17 @@ class LoRAAutoRegions(ShapesEntry):
         try:
             items = entries(lora_stack)
             chosen = parse_subjects(items, subjects)
+            named = bool((subjects or "").strip())
             prompt = clip.tokenize(text, return_word_ids=True)
             adapters = bridge.load_loras([items[i].name for i, _ in chosen])
             found = []
             for (i, phrases), adapter in zip(chosen, adapters):
-                if items[i].region is not None:
-                    raise ShapingError(f"{items[i].name} has a mask already", remedy="take LoRAStackMask or the "
-                                       "other LoRAAutoRegions off this entry")
-                given = phrases is not None
-                phrases = phrases or trigger_words(adapter.metadata, sidecar_words(adapter.path))
-                if not phrases:
-                    raise ShapingError(f"{items[i].name} has no trigger words", path=adapter.path,
-                                       remedy="name its words after it in subjects (one line: entry: words)")
-                found.append((i, subject_of(clip, prompt, items[i].name, phrases, given)))
+                subject = self._subject(clip, prompt, items[i], adapter, phrases, named)
+                if subject is not None:
+                    found.append((i, subject))
+            if not found:
+                raise ShapingError("no entry's trigger words are in the prompt", remedy="name the entries and "
+                                   "their words in subjects (one line each: entry: words)")
             finder = Finder([s for _, s in found], {k: len(_flat(v)) for k, v in prompt.items()}, find_until,
                             threshold, smooth, background, text_strength)
         except (StackError, LoRAError) as e:
@@ -149,6 +148,28 @@ class LoRAAutoRegions(ShapesEntry):
         for j, (i, _) in enumerate(found):
             items[i] = items[i].with_shaping(region=finder.sought(j))
         return (as_stack(items),)
+
+
+    @staticmethod
+    def _subject(clip, prompt, item, adapter, phrases, named: bool) -> Subject | None:
+        """The entry's subject: its words, or its trigger words. Without `subjects` (every entry by its trigger
+        words), an entry with a mask, or none of whose trigger words is in the prompt, is left unplaced (None)."""
+        if item.region is not None:
+            if not named:
+                return None
+            raise ShapingError(f"{item.name} has a mask already", remedy="take LoRAStackMask or the other "
+                                                                         "LoRAAutoRegions off this entry")
+        given = phrases is not None
+        phrases = phrases or trigger_words(adapter.metadata, sidecar_words(adapter.path))
+        try:
+            if not phrases:
+                raise ShapingError(f"{item.name} has no trigger words", path=adapter.path,
+                                   remedy="name its words after it in subjects (one line: entry: words)")
+            return subject_of(clip, prompt, item.name, phrases, given)
+        except ShapingError:
+            if named:
+                raise
+            return None
 
 
 class LoRAFoundRegions:

@@ -120,3 +120,7 @@ def test_words_not_in_the_prompt_are_refused_naming_the_entry_and_the_words(serv
         server.run(p)
     assert "'unicorn' are not in the prompt" in str(e.value)
     assert "subjects" in str(e.value)
+    p[SEEK]["inputs"]["subjects"] = ""  # every entry by its trigger words: the synthetic files' are not in the prompt
+    with pytest.raises(ComfyExecutionError) as e:
+        server.run(p)
+    assert "no entry's trigger words are in the prompt" in str(e.value)
