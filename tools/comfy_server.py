@@ -36,6 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -334,8 +335,18 @@ class ComfyServer:
         return cmd + self.extra_args
 
     def start(self) -> "ComfyServer":
+        """Start the server. Every other server this process started and still runs is first asked to free its
+        models and cached outputs (`free`): a test session that runs a second server (the web tier's beside the
+        host tier's) then holds one server's models in memory at a time, which a 24 GB machine needs."""
         if self.proc is not None:
             return self
+        for other in list(_STARTED):
+            if other is not self and other.proc is not None and other.proc.poll() is None:
+                try:
+                    other.free()
+                except (OSError, TimeoutError, RuntimeError):
+                    pass  # a server that cannot free its memory now keeps it; this one starts all the same
+        _STARTED.add(self)
         self._prepare_dirs()
         last_err = None
         for _attempt in range(3):
@@ -647,6 +658,9 @@ class ComfyServer:
 
 class _PortInUse(RuntimeError):
     pass
+
+
+_STARTED: "weakref.WeakSet[ComfyServer]" = weakref.WeakSet()  # the servers this process started (`start`)
 
 
 def _node_sort_key(node_id: str):
