@@ -20,7 +20,7 @@ from . import page as P
 
 pytestmark = pytest.mark.web
 
-NODE = "() => app.graph.nodes.find((n) => n.type === 'MultiLoRARows').id"
+NODE = "() => app.graph.nodes.find((n) => n.type === 'MultiLoRARows')?.id"  # undefined until the graph is loaded
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,17 @@ def page(browser, web_server, web_models_dir, web_comfy_root):
     other web tests' folders (the picker's "lightning" search among them) stay their own."""
     loras = web_models_dir / "loras"
     placed = [p for p in (loras / n for n in NAMES) if not p.exists()]
+    try:
+        yield from _opened(browser, web_server, web_models_dir, web_comfy_root, loras)
+    finally:
+        for path in placed:
+            path.unlink(missing_ok=True)
+            if path.parent != loras and not any(path.parent.iterdir()):
+                path.parent.rmdir()
+
+
+def _opened(browser, web_server, web_models_dir, web_comfy_root, loras):
+    """The page fixture's body: the files placed, the example loaded; yields what the tests read."""
     make_files(loras, cs.find_comfy_python(web_comfy_root))
     unet = web_models_dir / "diffusion_models" / UNET_NAME
     if not unet.exists():
@@ -38,13 +49,10 @@ def page(browser, web_server, web_models_dir, web_comfy_root):
     browser.js("async (w) => { const f = new File([JSON.stringify(w)], 'wan22_pairs_api.json', "
                "{type: 'application/json'}); await app.handleFile(f) }", api)
     node = browser.wait_for(NODE, timeout_s=30)
-    browser.wait_for("(id) => [...app.graph.getNodeById(id).multiloraRows.panel.element"
-                     ".querySelectorAll('.mlora-low')].every((e) => e.dataset.kind !== 'loading')", node, timeout_s=30)
+    browser.wait_for("(id) => { const rows = app.graph.getNodeById(id)?.multiloraRows; return !!rows && "
+                     "[...rows.panel.element.querySelectorAll('.mlora-low')].every((e) => e.dataset.kind !== "
+                     "'loading') }", node, timeout_s=30)
     yield {"node": node, "api": api}
-    for path in placed:
-        path.unlink(missing_ok=True)
-        if path.parent != loras and not any(path.parent.iterdir()):
-            path.parent.rmdir()
 
 
 def test_a_pair_shows_both_names_and_each_row_its_target(page, browser, artifacts):
