@@ -21,13 +21,14 @@ The models, LoRAs, sampling and columns are mask_bench.py's (its `Bench` runs th
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mask_bench import Bench, run  # noqa: E402  (bench/ on sys.path)
-from tools.comfy_inprocess import import_node_module  # noqa: E402
+from tools.comfy_inprocess import import_bridge, import_node_module  # noqa: E402
 
 METHODS = ("plain", "switch", "keyframes", "composite", "passes")
 
@@ -67,6 +68,7 @@ class CompositionBench(Bench):
         comfy = self.host.comfy
         sampling = base.get_model_object("model_sampling")
         sigmas = comfy.samplers.calculate_sigmas(sampling, "simple", self.args.steps).tolist()
+        percent_of = importlib.import_module(import_bridge().__name__ + ".sampling").percent_of
         percents = [percent_of(sampling, s) for s in sigmas[:-1]]
         out = []
         for j in range(k):
@@ -87,18 +89,6 @@ class CompositionBench(Bench):
                 group.set_keyframes_on_hooks(keyframes[j])
             groups.append(group)
         return comfy.hooks.HookGroup.combine_all_hooks(groups)
-
-
-def percent_of(sampling, sigma: float) -> float:
-    """The sampling percent whose sigma is `sigma` (ComfyUI's percent_to_sigma, inverted by bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if sampling.percent_to_sigma(mid) > sigma:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 HEADER = ("| model | k | plain step ms | step / plain step: plain / switch / keyframes / composite / passes | run s: "

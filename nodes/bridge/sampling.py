@@ -210,8 +210,11 @@ def sampling_progress(root, t, transformer_options: dict) -> float:
     if sample_sigmas is not None and len(sample_sigmas) > 1:
         return step_progress(sigma, sample_sigmas.reshape(-1).tolist())
     sampling = getattr(root, "model_sampling", None)
-    if sampling is None:
-        return 0.0
+    return 0.0 if sampling is None else percent_of(sampling, sigma)
+
+
+def percent_of(sampling, sigma: float) -> float:
+    """ComfyUI's sampling percent whose sigma is `sigma`: its `percent_to_sigma`, inverted by bisection."""
     lo, hi = 0.0, 1.0  # percent_to_sigma falls as the percent grows
     for _ in range(30):
         mid = (lo + hi) / 2
