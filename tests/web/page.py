@@ -245,14 +245,29 @@ def load_graph(b, workflow: dict, attempts: int = 3) -> None:
     """Load `workflow`, again if the page then restores the workflow that an earlier page left open over it (the
     frontend restores it from storage once it is ready, which may come after a load made right after the page
     opened)."""
+    # the nodes by id and type: a workflow saved in an older format changes its widget values as it loads
+    _kept(b, "async (w) => { await app.loadGraphData(w) }", workflow, """(w) => {
+      const nodes = (list) => JSON.stringify(list.map((n) => [n.id, n.type]).sort((a, b) => a[0] - b[0]))
+      return nodes(app.graph.serialize().nodes) === nodes(w.nodes)
+    }""", attempts)
+
+
+def open_file(b, data: dict, filename: str, attempts: int = 3) -> None:
+    """`data` opened as the JSON file `filename` (ComfyUI's `handleFile`: a prompt in API format goes through its
+    loadApiJson), again if the page then restores an earlier page's workflow over it, as in `load_graph`."""
+    _kept(b, "async ([w, name]) => { await app.handleFile(new File([JSON.stringify(w)], name, "
+             "{type: 'application/json'})) }", [data, filename], """([w]) => {
+      const ids = (list) => JSON.stringify(list.map(String).sort())
+      return ids(app.graph.nodes.map((n) => n.id)) === ids(Object.keys(w))
+    }""", attempts)
+
+
+def _kept(b, load: str, arg, loaded: str, attempts: int) -> None:
+    """`load(arg)` run in the page until `loaded(arg)` still holds a second later."""
     for _ in range(attempts):
-        b.js("async (w) => { await app.loadGraphData(w) }", workflow)
+        b.js(load, arg)
         time.sleep(1.0)
-        if b.js("""(w) => {
-          // the nodes by id and type: a workflow saved in an older format changes its widget values as it loads
-          const nodes = (list) => JSON.stringify(list.map((n) => [n.id, n.type]).sort((a, b) => a[0] - b[0]))
-          return nodes(app.graph.serialize().nodes) === nodes(w.nodes)
-        }""", workflow):
+        if b.js(loaded, arg):
             return
     raise AssertionError("the page kept replacing the loaded workflow with the one it restored")
 

@@ -20,7 +20,7 @@ from . import page as P
 
 pytestmark = pytest.mark.web
 
-NODE = "() => app.graph.nodes.find((n) => n.type === 'MultiLoRARows')?.id"  # undefined until the graph is loaded
+NODE = "() => app.graph.nodes.find((n) => n.type === 'MultiLoRARows').id"
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,8 @@ def _opened(browser, web_server, web_models_dir, web_comfy_root, loras):
         place(unet_of_checkpoint(web_models_dir / "checkpoints" / synth.CHECKPOINT_NAME), unet)
     P.open_page(browser, web_server)
     api = on_sd15()
-    browser.js("async (w) => { const f = new File([JSON.stringify(w)], 'wan22_pairs_api.json', "
-               "{type: 'application/json'}); await app.handleFile(f) }", api)
-    node = browser.wait_for(NODE, timeout_s=30)
+    P.open_file(browser, api, "wan22_pairs_api.json")
+    node = browser.js(NODE)
     browser.wait_for("(id) => { const rows = app.graph.getNodeById(id)?.multiloraRows; return !!rows && "
                      "[...rows.panel.element.querySelectorAll('.mlora-low')].every((e) => e.dataset.kind !== "
                      "'loading') }", node, timeout_s=30)

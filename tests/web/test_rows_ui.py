@@ -445,9 +445,7 @@ def test_an_api_format_workflow_opened_in_the_ui_keeps_every_row(ui, browser):
     rows = list(wf.EXAMPLE_ROWS)
     api = wf.rows_api(wf.small_api("api_opened"), rows)
     try:
-        b.js("async (w) => { const f = new File([JSON.stringify(w)], 'rows_api.json', {type: 'application/json'});"
-             " await app.handleFile(f) }", api)
-        P.settle(b, 1.0)
+        P.open_file(b, api, "rows_api.json")
         node = b.js("() => app.graph.nodes.find((n) => n.type === 'LoRAStackRows').id")
         s = P.state(b, node)
         assert s["count"] == len(rows) and s["rows"] == rows
