@@ -25,14 +25,13 @@ The diffusion model's calls are counted for one step of the composite and of the
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.sampling_check import Run, arguments, diffs, emit  # noqa: E402  (after the sys.path line)
+from tests.host.sampling_check import Run, diffs, run_sampling  # noqa: E402  (after the sys.path line)
 
 STEPS, CFG = 3, 2.0
 LORAS = (("kohya", 1.0), ("diffusers", 0.8))
@@ -102,19 +101,10 @@ class Check:
 
 
 def main() -> int:
-    args = arguments(__doc__)
-    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy, import_node_module
-    comfy = import_comfy(find_comfy(args.comfy), "cpu")
-    import torch
-    torch.set_num_threads(1)
-    bridge = import_bridge()
-    import folder_paths
-    with tempfile.TemporaryDirectory(prefix="multilora-composite-") as folder:
-        run = Run(comfy, torch, bridge, folder)
-        folder_paths.add_model_folder_path("loras", folder)  # the composite node names the stack's files
-        result = Check(run, import_node_module("composite")).samples()
-        comfy.model_management.unload_all_models()
-    return emit(result, args.out)
+    from tools.comfy_inprocess import import_node_module
+    # the composite node names the stack's files: they are in a loras folder
+    return run_sampling(__doc__, "composite", lambda run: Check(run, import_node_module("composite")).samples(),
+                        loras=True)
 
 
 if __name__ == "__main__":

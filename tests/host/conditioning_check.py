@@ -38,14 +38,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.sampling_check import Run, arguments, diffs, emit  # noqa: E402  (after the sys.path line)
+from tests.host.sampling_check import Run, diffs, run_sampling  # noqa: E402  (after the sys.path line)
 
 STEPS, CFG = 2, 2.0
 NAMES = {"A": "flux_kohya.safetensors", "B": "flux_diffusers.safetensors", "img_in": "flux_img_in.safetensors"}
@@ -179,27 +178,22 @@ class Check:
 
 
 def main() -> int:
-    args = arguments(__doc__)
-    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy, import_node_module
-    comfy = import_comfy(find_comfy(args.comfy), "cpu")
-    import folder_paths
-    import torch
-    torch.set_num_threads(1)
-    bridge = import_bridge()
-    with tempfile.TemporaryDirectory(prefix="multilora-cond-") as folder:
-        run = Run(comfy, torch, bridge, folder)
-        folder_paths.add_model_folder_path("loras", folder)
-        check = Check(run, import_node_module("conditioning"), import_node_module("composite"))
-        weights = {k: v.clone() for k, v in run.base.model.state_dict().items()}
-        base, _ = check.sample(run.base, check.positive)
-        samples, refusals = check.ours(), check.refusals()
-        after, _ = check.sample(run.base, check.positive)  # before the stock runs, whose unpatched weights
-        # sample the base model within rounding of itself, not equal (measured 1.4e-6 here; the weights equal)
-        samples.update(check.stock())
-        result = {**check.compared(samples), **refusals, "base_after_vs_base": (after - base).abs().max().item(),
-                  "base_weights_kept": all(torch.equal(v, weights[k]) for k, v in run.base.model.state_dict().items())}
-        comfy.model_management.unload_all_models()
-    return emit(result, args.out)
+    return run_sampling(__doc__, "cond", conditioned, loras=True)
+
+
+def conditioned(run: Run) -> dict:
+    """The check's result on `run`."""
+    from tools.comfy_inprocess import import_node_module
+    torch = run.torch
+    check = Check(run, import_node_module("conditioning"), import_node_module("composite"))
+    weights = {k: v.clone() for k, v in run.base.model.state_dict().items()}
+    base, _ = check.sample(run.base, check.positive)
+    samples, refusals = check.ours(), check.refusals()
+    after, _ = check.sample(run.base, check.positive)  # before the stock runs, whose unpatched weights
+    # sample the base model within rounding of itself, not equal (measured 1.4e-6 here; the weights equal)
+    samples.update(check.stock())
+    return {**check.compared(samples), **refusals, "base_after_vs_base": (after - base).abs().max().item(),
+            "base_weights_kept": all(torch.equal(v, weights[k]) for k, v in run.base.model.state_dict().items())}
 
 
 if __name__ == "__main__":

@@ -36,15 +36,14 @@ whose attention is not recorded), and the finder's prompt longer than the model'
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
-from tests.host.sampling_check import Run, arguments, diffs, emit  # noqa: E402
+from tests.host.sampling_check import Run, diffs, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
+from tools.comfy_inprocess import import_engine  # noqa: E402
 
 STEPS, CFG, SPLIT = 4, 2.0, 2
 WORDS = {"A": (1, 2), "B": (5,)}
@@ -52,7 +51,6 @@ WORDS = {"A": (1, 2), "B": (5,)}
 
 class Check:
     def __init__(self, run: Run):
-        from tools.comfy_inprocess import import_engine
         self.found = import_engine("found")
         self.Region = import_engine("regions").Region
         self.run = run
@@ -176,60 +174,32 @@ class Check:
                 "node_masks_binary": bool(((masks == 0) | (masks == 1)).all())}
 
     def refusals(self) -> dict:
-        from tools.comfy_inprocess import build_model, import_engine
-        torch, comfy, bridge, run = self.run.torch, self.run.comfy, self.run.bridge, self.run
-        ShapingError = import_engine("errors").ShapingError
-        out = {"refusal_family": None, "refusal_length": None}
-        fam = families(comfy)["hunyuan_video"]
-        other = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
-                            expect=fam.expect, buffers=fam.buffers, std=fam.std)
-        w = Writer(torch, dict(other.model.named_modules()), comfy.lora.model_lora_keys_unet(other.model, {}),
-                   torch.Generator().manual_seed(3), other.model.model_config.unet_config)
-        fam.layouts["musubi"](w)
-        _, adapter = run.load("hunyuan_video_found.safetensors", w.sd)
-        F = self.found
+        F, run = self.found, self.run
         finder = F.Finder([F.Subject("hv", {"t5xxl": (1,)})], {"t5xxl": 4}, 0.5)
-        model = bridge.apply_stack(other, None, [bridge.StackEntry(adapter, 1.0, 0.0, region=finder.sought(0))], 1)[0]
-        inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
-        cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
-        self.calls.clear()
-        try:
-            comfy.sample.sample(model, torch.randn(inputs["x"].shape), 1, 1.0, "euler", "simple", cond, cond,
-                                torch.zeros(inputs["x"].shape), disable_pbar=True, seed=7)
-        except ValueError as e:
-            if not isinstance(e.__cause__, ShapingError):
-                raise
-            out["refusal_family"] = str(e)
+        out = {"refusal_family": unknown_layout(run, "hunyuan_video_found.safetensors", finder.sought(0))}
         long = F.Finder([F.Subject("A", {"t5xxl": (1,)})], {"t5xxl": run.context.shape[1] + 1}, 0.5)
-        try:
-            self.sample(self.stack(long))
-        except ValueError as e:
-            if not isinstance(e.__cause__, ShapingError):
-                raise
-            out["refusal_length"] = f"{e} (model calls before it: {len(self.calls)})"
+        self.calls.clear()
+        length = refused(lambda: self.sample(self.stack(long)), import_engine("errors").ShapingError)
+        out["refusal_length"] = None if length is None else f"{length} (model calls before it: {len(self.calls)})"
         return out
 
 
 def main() -> int:
-    args = arguments(__doc__)
-    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
-    comfy = import_comfy(find_comfy(args.comfy), "cpu")
-    import torch
-    torch.set_num_threads(1)
-    bridge = import_bridge()
-    with tempfile.TemporaryDirectory(prefix="multilora-found-") as folder:
-        run = Run(comfy, torch, bridge, folder)
-        check = Check(run)
-        s, result = check.samples()
-        result.update(check.refusals())
-        result.update(check.built())
-        result.update(check.nodes())
-        s["base"] = check.sample(run.base)[0]
-        result.update(diffs(s, ("recorded", "plain"), ("auto", "split"), ("plain_split", "plain"),
-                            ("plain", "stock"), ("auto", "plain"), ("auto_again", "auto"), ("plain", "base")))
-        result["recorded_equal"] = bool(torch.equal(s["recorded"], s["plain"]))
-        comfy.model_management.unload_all_models()
-    return emit(result, args.out)
+    return run_sampling(__doc__, "found", found)
+
+
+def found(run: Run) -> dict:
+    """The check's result on `run`."""
+    check = Check(run)
+    s, result = check.samples()
+    result.update(check.refusals())
+    result.update(check.built())
+    result.update(check.nodes())
+    s["base"] = check.sample(run.base)[0]
+    result.update(diffs(s, ("recorded", "plain"), ("auto", "split"), ("plain_split", "plain"),
+                        ("plain", "stock"), ("auto", "plain"), ("auto_again", "auto"), ("plain", "base")))
+    result["recorded_equal"] = bool(run.torch.equal(s["recorded"], s["plain"]))
+    return result
 
 
 if __name__ == "__main__":

@@ -24,24 +24,21 @@ latent of 2 items; `base_after` samples the base model after them.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
-from tests.host.sampling_check import Run, arguments, diffs, emit  # noqa: E402
+from tests.host.sampling_check import Run, diffs, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
+from tools.comfy_inprocess import import_engine  # noqa: E402
 
 STEPS, CFG = 2, 2.0
 
 
 class Check:
     def __init__(self, run: Run):
-        from tools.comfy_inprocess import import_engine
         self.Region = import_engine("regions").Region
         self.run = run
         torch = run.torch
@@ -83,66 +80,34 @@ class Check:
         s["sides"], self.sides_calls = self.sample(self.stack(R(self.left), R(1.0 - self.left)))
         return s
 
-    def refusals(self, folder: str) -> dict:
-        from tools.comfy_inprocess import build_model, import_engine
-        torch, comfy, bridge = self.run.torch, self.run.comfy, self.run.bridge
-        ShapingError = import_engine("errors").ShapingError
-        out = {}
-        self.calls.clear()
+    def refusals(self) -> dict:
+        torch, bridge = self.run.torch, self.run.bridge
         batch3 = bridge.StackEntry(self.run.adapters["kohya"], 1.0, 0.0, region=self.Region.of(torch.ones(3, 4, 4)))
-        out["refusal_batch"] = self._refused(bridge.apply_stack(self.run.base, None, [batch3], 1)[0], 2,
-                                             ShapingError)
-        fam = families(comfy)["hunyuan_video"]
-        other = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
-                            expect=fam.expect, buffers=fam.buffers, std=fam.std)
-        w = Writer(torch, dict(other.model.named_modules()), comfy.lora.model_lora_keys_unet(other.model, {}),
-                   torch.Generator().manual_seed(3), other.model.model_config.unet_config)
-        fam.layouts["musubi"](w)
-        path, adapter = self.run.load("hunyuan_video_musubi.safetensors", w.sd)
-        masked = bridge.StackEntry(adapter, 1.0, 0.0, region=self.Region.of(torch.ones(1, 4, 4)))
-        model = bridge.apply_stack(other, None, [masked], 1)[0]
-        inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
-        cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
-        try:
-            comfy.sample.sample(model, torch.randn(inputs["x"].shape), 1, 1.0, "euler", "simple", cond, cond,
-                                torch.zeros(inputs["x"].shape), disable_pbar=True, seed=7)
-            out["refusal_family"] = None
-        except ValueError as e:
-            if not isinstance(e.__cause__, ShapingError):
-                raise
-            out["refusal_family"] = str(e)
-        return out
+        return {"refusal_batch": self._refused(bridge.apply_stack(self.run.base, None, [batch3], 1)[0], 2,
+                                               import_engine("errors").ShapingError),
+                "refusal_family": unknown_layout(self.run, "hunyuan_video_musubi.safetensors",
+                                                 self.Region.of(torch.ones(1, 4, 4)))}
 
     def _refused(self, model, items, error) -> str | None:
-        try:
-            self.sample(model, items)
-            return None
-        except ValueError as e:  # as ComfyUI gets it: a builtin naming the engine's error (nodes/bridge/errors.py)
-            if not isinstance(e.__cause__, error):
-                raise
-            return f"{e} (model calls before it: {len(self.calls)})"
+        message = refused(lambda: self.sample(model, items), error)
+        return None if message is None else f"{message} (model calls before it: {len(self.calls)})"
 
 
 def main() -> int:
-    args = arguments(__doc__)
-    from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
-    comfy = import_comfy(find_comfy(args.comfy), "cpu")
-    import torch
-    torch.set_num_threads(1)
-    bridge = import_bridge()
-    with tempfile.TemporaryDirectory(prefix="multilora-mask-") as folder:
-        run = Run(comfy, torch, bridge, folder)
-        check = Check(run)
-        s = check.samples()
-        refusals = check.refusals(folder)
-        s["base_after"] = check.sample(run.base)[0]
-        result = {"max": s["plain"].abs().max().item(), "plain_calls": check.plain_calls,
-                  "sides_calls": check.sides_calls, "batch_calls": check.batch_calls, **refusals,
-                  **diffs(s, ("plain", "stock"), ("ones", "plain"), ("b_only", "b_stock"), ("zeros", "b_only"),
-                          ("batch_0", "one_text0"), ("batch_1", "b_only"), ("sides", "plain"), ("plain", "b_only"),
-                          ("one_text0", "plain"), ("base_after", "base"))}
-        comfy.model_management.unload_all_models()
-    return emit(result, args.out)
+    return run_sampling(__doc__, "mask", masked)
+
+
+def masked(run: Run) -> dict:
+    """The check's result on `run`."""
+    check = Check(run)
+    s = check.samples()
+    refusals = check.refusals()
+    s["base_after"] = check.sample(run.base)[0]
+    return {"max": s["plain"].abs().max().item(), "plain_calls": check.plain_calls,
+            "sides_calls": check.sides_calls, "batch_calls": check.batch_calls, **refusals,
+            **diffs(s, ("plain", "stock"), ("ones", "plain"), ("b_only", "b_stock"), ("zeros", "b_only"),
+                    ("batch_0", "one_text0"), ("batch_1", "b_only"), ("sides", "plain"), ("plain", "b_only"),
+                    ("one_text0", "plain"), ("base_after", "base"))}
 
 
 if __name__ == "__main__":

@@ -369,17 +369,61 @@ def arguments(doc: str) -> argparse.Namespace:
 
 
 def main() -> int:
-    args = arguments(__doc__)
+    return run_sampling(__doc__, "sampling", lambda run: {**run.clones(), **run.compiled(), **run.control(),
+                                                           **run.fill(), **run.inpaint(), **run.wan_i2v()})
+
+
+def run_sampling(doc: str, name: str, check, loras: bool = False) -> int:
+    """The main of an in-process check on a `Run` (the tiny Flux and its LoRAs, in a temporary folder named after
+    `name`, also a loras folder of ComfyUI's where `loras`, for the nodes that name the files): parses the command
+    line, emits `check(run)`, and unloads ComfyUI's models."""
+    args = arguments(doc)
     from tools.comfy_inprocess import find_comfy, import_bridge, import_comfy
     comfy = import_comfy(find_comfy(args.comfy), "cpu")
+    import folder_paths
     import torch
     torch.set_num_threads(1)  # a tiny model: on a shared CPU, threads only wait for each other
     bridge = import_bridge()
-    with tempfile.TemporaryDirectory(prefix="multilora-sampling-") as folder:
+    with tempfile.TemporaryDirectory(prefix=f"multilora-{name}-") as folder:
         run = Run(comfy, torch, bridge, folder)
-        result = {**run.clones(), **run.compiled(), **run.control(), **run.fill(), **run.inpaint(), **run.wan_i2v()}
+        if loras:
+            folder_paths.add_model_folder_path("loras", folder)
+        result = check(run)
         comfy.model_management.unload_all_models()
     return emit(result, args.out)
+
+
+def unknown_layout(run: Run, name: str, region):
+    """A sampling on a model whose token layout the pack does not know (ComfyUI's HunyuanVideo), with its musubi
+    LoRA written as `name` and given `region`: the message of the ValueError naming the engine's ShapingError that
+    it raises (as ComfyUI gets the engine's errors, nodes/bridge/errors.py), None where it samples."""
+    from tools.comfy_inprocess import build_model
+    torch, comfy, bridge = run.torch, run.comfy, run.bridge
+    fam = families(comfy)["hunyuan_video"]
+    other = build_model(comfy, torch, fam.unet_config, dtype=torch.float32, device=torch.device("cpu"),
+                        expect=fam.expect, buffers=fam.buffers, std=fam.std)
+    w = Writer(torch, dict(other.model.named_modules()), comfy.lora.model_lora_keys_unet(other.model, {}),
+               torch.Generator().manual_seed(3), other.model.model_config.unet_config)
+    fam.layouts["musubi"](w)
+    _, adapter = run.load(name, w.sd)
+    model = bridge.apply_stack(other, None, [bridge.StackEntry(adapter, 1.0, 0.0, region=region)], 1)[0]
+    inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
+    cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
+    return refused(lambda: comfy.sample.sample(model, torch.randn(inputs["x"].shape), 1, 1.0, "euler", "simple",
+                                               cond, cond, torch.zeros(inputs["x"].shape), disable_pbar=True,
+                                               seed=7), import_engine("errors").ShapingError)
+
+
+def refused(call, error: type) -> str | None:
+    """The message of the ValueError whose cause is an `error` that `call()` raises (a ValueError of another cause
+    is raised again), None where it returns."""
+    try:
+        call()
+        return None
+    except ValueError as e:
+        if not isinstance(e.__cause__, error):
+            raise
+        return str(e)
 
 
 def run_check(doc: str, run) -> int:
