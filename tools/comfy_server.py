@@ -23,6 +23,7 @@ custom_nodes/ directory (utils/extra_config.py accepts any folder name,
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -379,6 +380,7 @@ class ComfyServer:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -661,6 +663,17 @@ class _PortInUse(RuntimeError):
 
 
 _STARTED: "weakref.WeakSet[ComfyServer]" = weakref.WeakSet()  # the servers this process started (`start`)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before ComfyUI starts: on Linux, be sent SIGTERM when the process that started it
+    dies (Linux tells the death of the thread that started it: start a server from a thread that outlives it), so
+    that a test session killed outright (no fixture's `stop` runs) leaves no server holding its models."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # no prctl here: `stop` remains the way a server ends
 
 
 def _node_sort_key(node_id: str):
