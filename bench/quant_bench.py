@@ -21,8 +21,12 @@ LoraLoaderBypassModelOnly, composed for k > 1), in one process, one cell after a
   re-run     the last LoRA's strength moved, the same node instances run again, and a sampling: ComfyUI unpatches
              and patches again (stock), ejects and injects (bypass), writes a strength (ours)
   step       the median of the two runs' steps over the median of the base's steps, sampled just before the cell
+  faults     the process's minor page faults per step (the median over the same steps), in thousands, and the base's
+             in brackets: memory the C library maps afresh for a step's temporaries (a dequantized weight) and the
+             kernel fills with zeros on first touch, where the heap has no free block that holds them
   peak       the process's peak resident memory over the cell (VmHWM, reset as the cell starts, after glibc handed
-             back its free memory; blocks of 1 MiB or more are mapped on their own) less its resident size then, MB
+             back its free memory; blocks of 1 MiB or more are mapped on their own, unless --steady-heap) less its
+             resident size then, MB
   error      the first run's image against the reference, the full-precision file (fp32 on the CPU) with the same
              LoRAs through the stock loader: the worst channel's mean |Δ| and the largest |Δ|, in levels of 1/255;
              "base" is the storage without LoRAs against the full-precision base; "effect" compares what the LoRAs
@@ -39,6 +43,7 @@ import ctypes
 import gc
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -62,13 +67,24 @@ MOVED = 0.3  # the last LoRA's strength in the re-run
 
 def libc(call: str, *args) -> None:
     """glibc's malloc_trim(0) (hand the heap's free memory back, so that the resident size at a cell's start is what
-    is live) or mallopt(M_MMAP_THRESHOLD, 1 MiB) (blocks of 1 MiB or more mapped on their own and unmapped when
-    freed; by default the threshold grows with the blocks freed, and later tensors come from a heap that keeps its
-    memory). Nothing where the C library is not glibc."""
+    is live) or mallopt (`heap`). Nothing where the C library is not glibc."""
     try:
         getattr(ctypes.CDLL("libc.so.6"), call)(*args)
     except (OSError, AttributeError):
         pass
+
+
+def heap(steady: bool) -> None:
+    """The C library's policy for the run. Default: blocks of 1 MiB or more mapped on their own and unmapped when
+    freed (M_MMAP_THRESHOLD 1 MiB; by default the threshold grows with the blocks freed, and later tensors come from a
+    heap that keeps its memory), so that a cell's peak is what it held. `steady`: nothing mapped on its own and no
+    free memory handed back during a cell (M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB), so that a step's temporaries reuse
+    the heap's free blocks and no step pays for fresh pages; a cell's peak then includes the heap's free blocks."""
+    if steady:
+        libc("mallopt", -4, 0)
+        libc("mallopt", -1, 2**31 - 1)
+    else:
+        libc("mallopt", -3, 1 << 20)
 
 
 class QuietStockKeys(logging.Filter):
@@ -91,6 +107,19 @@ def median(xs) -> float:
 
 def steps_of(marks) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:])]
+
+
+class Marks(list):
+    """The end of each step (the sampler's callback appends the time) and, in `faults`, the process's minor page
+    faults by then."""
+
+    def __init__(self):
+        super().__init__()
+        self.faults: list[int] = []
+
+    def append(self, t: float) -> None:
+        super().append(t)
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def stack_of(names, k: int, moved: bool = False) -> list[tuple[str, float]]:
@@ -193,13 +222,13 @@ class Bench:
         host, steps = self.host, self.args.steps
         ref, ref_base, base_img = images
         import_engine().default_cache().clear()  # the first run reads its files, as a new stock node does
-        base_marks: list[float] = []
+        base_marks = Marks()
         host.sample(spec, base, steps, base_marks)  # the base's steps, next to this cell's
         gc.collect()
         libc("malloc_trim", 0)
         peaked = reset_peak(os.getpid())
         rss0 = vm(os.getpid(), "VmRSS")
-        marks: list[float] = []
+        marks = Marks()
         chain = host.chain(path, k)
         models = []  # both runs' models stay referenced, as ComfyUI's cache holds the first while the second loads
 
@@ -213,8 +242,10 @@ class Bench:
         del models, chain
         host.unload()
         cell_steps = steps_of(marks[:steps]) + steps_of(marks[steps:])
+        faults = steps_of(marks.faults[:steps]) + steps_of(marks.faults[steps:])
         return {"k": k, "path": path, "first": first, "setup": setup, "rerun": rerun, "resetup": resetup,
                 "ratio": median(cell_steps) / median(steps_of(base_marks)), "peak": peak,
+                "faults": median(faults) / 1e3, "base_faults": median(steps_of(base_marks.faults)) / 1e3,
                 "error": qb.image_error(img, ref), "effect_error": qb.image_error(img - base_img, ref - ref_base)}
 
 
@@ -230,13 +261,14 @@ def format_row(model, storage, k, base_err, cells) -> str:
     return (f"| {model} | {storage} | {k} | {cols(lambda c: format(c['ratio'], '.2f'))} | "
             f"{cols(lambda c: '{:.1f} ({:.1f})'.format(c['first'], c['setup']))} | "
             f"{cols(lambda c: '{:.1f} ({:.2f})'.format(c['rerun'], c['resetup']))} | "
+            f"{cols(lambda c: '{:.0f} ({:.0f})'.format(c['faults'], c['base_faults']))} | "
             f"{cols(lambda c: format(c['peak'], '.0f'))} | {base_err[0]:.2f} ({base_err[1]:.1f}) | "
             f"{err('error')} | {err('effect_error')} |")
 
 
 HEADER = ("| model | storage | k | step / base: ours / stock / bypass | first run s (before step 1) | re-run after a "
-          "strength change s (before step 1) | peak MB | base without LoRAs: error | image error: ours / stock / "
-          "bypass | the LoRAs' effect: error |\n|---|---|---|---|---|---|---|---|---|---|")
+          "strength change s (before step 1) | page faults per step, k (base) | peak MB | base without LoRAs: error | "
+          "image error: ours / stock / bypass | the LoRAs' effect: error |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> int:
@@ -258,13 +290,17 @@ def main() -> int:
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="measure from the first cell of each storage on (default: one cell of the first path and "
                     "k is run first and not recorded)")
+    ap.add_argument("--steady-heap", action="store_true",
+                    help="the C library keeps freed memory for reuse and maps no block on its own (see heap()): the "
+                    "step ratios without the page faults of temporaries mapped afresh, whose number follows the "
+                    "heap's layout and changes from one sampling to the next")
     args = ap.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.paths = [p for p in args.paths.split(",") if p]
     storages = list(qb.STORAGES) if args.storages == "all" else [qb.storage_named(s) for s in args.storages.split(",")]
     comfy_root = find_comfy(args.comfy)
     started = time.monotonic()
-    libc("mallopt", -3, 1 << 20)
+    heap(args.steady_heap)
     gguf = Path(args.gguf or os.environ.get("COMFYUI_GGUF_PATH") or comfy_root / "custom_nodes" / "ComfyUI-GGUF")
     work = Path(tempfile.mkdtemp(prefix="multilora-quant-"))
     host = qb.Host(comfy_root, work, Path(args.cache) if args.cache else synth.default_cache_dir(), gguf.expanduser())
@@ -272,7 +308,8 @@ def main() -> int:
     logging.getLogger().addFilter(quiet)  # ComfyUI logs them on the root logger
     import comfyui_version
     print(f"machine: {machine_line()}; ComfyUI {comfyui_version.__version__}, torch {host.torch.__version__}, "
-          f"{host.torch.get_num_threads()} threads; ComfyUI-GGUF: {host.gguf_missing or gguf}", flush=True)
+          f"{host.torch.get_num_threads()} threads; heap: {'steady' if args.steady_heap else 'default'}; "
+          f"ComfyUI-GGUF: {host.gguf_missing or gguf}", flush=True)
     bench = Bench(host, args)
     try:
         for spec in specs(args, comfy_root):
