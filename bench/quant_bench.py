@@ -63,6 +63,7 @@ from tools.comfy_inprocess import find_comfy, import_engine  # noqa: E402
 PATHS = ("ours", "stock", "bypass")
 STRENGTHS = (0.8, 0.6, -0.5, 0.7)
 MOVED = 0.3  # the last LoRA's strength in the re-run
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def libc(call: str, *args) -> None:
@@ -81,10 +82,10 @@ def heap(steady: bool) -> None:
     free memory handed back during a cell (M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB), so that a step's temporaries reuse
     the heap's free blocks and no step pays for fresh pages; a cell's peak then includes the heap's free blocks."""
     if steady:
-        libc("mallopt", -4, 0)
-        libc("mallopt", -1, 2**31 - 1)
+        libc("mallopt", M_MMAP_MAX, 0)
+        libc("mallopt", M_TRIM_THRESHOLD, 2**31 - 1)
     else:
-        libc("mallopt", -3, 1 << 20)
+        libc("mallopt", M_MMAP_THRESHOLD, 1 << 20)
 
 
 class QuietStockKeys(logging.Filter):
@@ -107,6 +108,11 @@ def median(xs) -> float:
 
 def steps_of(marks) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def runs_steps(marks, steps: int) -> list[float]:
+    """The steps after the first of two runs of `steps` steps each, from their marks in one list."""
+    return steps_of(marks[:steps]) + steps_of(marks[steps:])
 
 
 class Marks(list):
@@ -241,8 +247,7 @@ class Bench:
         peak = (vm(os.getpid()) - rss0) / 2**20 if peaked else float("nan")
         del models, chain
         host.unload()
-        cell_steps = steps_of(marks[:steps]) + steps_of(marks[steps:])
-        faults = steps_of(marks.faults[:steps]) + steps_of(marks.faults[steps:])
+        cell_steps, faults = runs_steps(marks, steps), runs_steps(marks.faults, steps)
         return {"k": k, "path": path, "first": first, "setup": setup, "rerun": rerun, "resetup": resetup,
                 "ratio": median(cell_steps) / median(steps_of(base_marks)), "peak": peak,
                 "faults": median(faults) / 1e3, "base_faults": median(steps_of(base_marks.faults)) / 1e3,
