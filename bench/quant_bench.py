@@ -21,6 +21,8 @@ LoraLoaderBypassModelOnly, composed for k > 1), in one process, one cell after a
   re-run     the last LoRA's strength moved, the same node instances run again, and a sampling: ComfyUI unpatches
              and patches again (stock), ejects and injects (bypass), writes a strength (ours)
   step       the median of the two runs' steps over the median of the base's steps, sampled just before the cell
+  hooks      ours' own work in a step: the time spent in the pack's layer hooks over both samplings, per step, ms,
+             and as a share of the base's median step (the rest of ours' step is the base's own work)
   faults     the process's minor page faults per step (the median over the same steps), in thousands, and the base's
              in brackets: memory the C library maps afresh for a step's temporaries (a dequantized weight) and the
              kernel fills with zeros on first touch, where the heap has no free block that holds them
@@ -150,10 +152,30 @@ def specs(args, comfy_root) -> list:
     return out
 
 
+class HookClock:
+    """The seconds spent in the pack's layer hooks (`LayerSlots._hook`, timed around each call): ours' own work in a
+    step, apart from the base's, whose time the heap's page faults make vary (see `heap`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        slots = import_engine("layer").LayerSlots
+        hook = slots._hook
+
+        def timed(layer, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return hook(layer, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        slots._hook = timed  # before any layer is made: each registers its bound `_hook`
+
+
 class Bench:
     def __init__(self, host: qb.Host, args):
         self.host, self.args = host, args
         self.rows: list[dict] = []
+        self.hooks = HookClock()
 
     def base_file(self, spec) -> Path:
         if isinstance(spec, qb.Flux):
@@ -235,6 +257,7 @@ class Bench:
         peaked = reset_peak(os.getpid())
         rss0 = vm(os.getpid(), "VmRSS")
         marks = Marks()
+        hooked = self.hooks.seconds
         chain = host.chain(path, k)
         models = []  # both runs' models stay referenced, as ComfyUI's cache holds the first while the second loads
 
@@ -248,8 +271,10 @@ class Bench:
         del models, chain
         host.unload()
         cell_steps, faults = runs_steps(marks, steps), runs_steps(marks.faults, steps)
+        base_step = median(steps_of(base_marks))
         return {"k": k, "path": path, "first": first, "setup": setup, "rerun": rerun, "resetup": resetup,
-                "ratio": median(cell_steps) / median(steps_of(base_marks)), "peak": peak,
+                "ratio": median(cell_steps) / base_step, "peak": peak,
+                "hooks": (self.hooks.seconds - hooked) / (2 * steps), "base_step": base_step,
                 "faults": median(faults) / 1e3, "base_faults": median(steps_of(base_marks.faults)) / 1e3,
                 "error": qb.image_error(img, ref), "effect_error": qb.image_error(img - base_img, ref - ref_base)}
 
@@ -263,7 +288,9 @@ def format_row(model, storage, k, base_err, cells) -> str:
     def err(key) -> str:
         return cols(lambda c: f"{c[key][0]:.2f} ({c[key][1]:.1f})")
 
-    return (f"| {model} | {storage} | {k} | {cols(lambda c: format(c['ratio'], '.2f'))} | "
+    ours = by.get("ours")
+    hooks = "-" if ours is None else f"{ours['hooks'] * 1e3:.0f} ({100 * ours['hooks'] / ours['base_step']:.1f} %)"
+    return (f"| {model} | {storage} | {k} | {cols(lambda c: format(c['ratio'], '.2f'))} | {hooks} | "
             f"{cols(lambda c: '{:.1f} ({:.1f})'.format(c['first'], c['setup']))} | "
             f"{cols(lambda c: '{:.1f} ({:.2f})'.format(c['rerun'], c['resetup']))} | "
             f"{cols(lambda c: '{:.0f} ({:.0f})'.format(c['faults'], c['base_faults']))} | "
@@ -271,9 +298,10 @@ def format_row(model, storage, k, base_err, cells) -> str:
             f"{err('error')} | {err('effect_error')} |")
 
 
-HEADER = ("| model | storage | k | step / base: ours / stock / bypass | first run s (before step 1) | re-run after a "
+HEADER = ("| model | storage | k | step / base: ours / stock / bypass | ours' hooks per step, ms (of the base's "
+          "step) | first run s (before step 1) | re-run after a "
           "strength change s (before step 1) | page faults per step, k (base) | peak MB | base without LoRAs: error | "
-          "image error: ours / stock / bypass | the LoRAs' effect: error |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "image error: ours / stock / bypass | the LoRAs' effect: error |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> int:
