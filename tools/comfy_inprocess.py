@@ -52,7 +52,8 @@ def find_comfy(arg: str | None) -> Path:
 
 
 def import_comfy(root: Path, device: str):
-    """Import ComfyUI's modules with --cpu semantics (or the classic, non-dynamic loader on a GPU)."""
+    """Import ComfyUI's modules with --cpu semantics (or the classic, non-dynamic loader on a GPU), and ComfyUI's
+    default model folders in an empty folder of their own (as `--models-directory` would put them)."""
     if importlib.util.find_spec("torchaudio") is None:
         # ComfyUI 0.28 imports torchaudio on the `import comfy.sd` path; tools/comfy_server.py's stub
         # (import works, any use raises) is put on sys.path, as the server harness does.
@@ -63,6 +64,12 @@ def import_comfy(root: Path, device: str):
         sys.path.insert(0, str(shim))
     sys.path.insert(0, str(root))
     from comfy.cli_args import args
+    if "folder_paths" not in sys.modules and not args.models_directory:
+        # An empty models folder in place of <checkout>/models, whose files (a user's own LoRAs) no check may
+        # see: a check gives `folder_paths` the folders it means ComfyUI to read.
+        models = Path(tempfile.mkdtemp(prefix="multilora-models-"))
+        atexit.register(shutil.rmtree, models, True)
+        args.models_directory = str(models)
     if device == "cpu":
         args.cpu = True
     else:

@@ -18,7 +18,11 @@ it lies in the checkout's own custom_nodes/), and an
 extra_model_paths.yaml that points ComfyUI at a caller-supplied models
 directory (checkpoints, loras, diffusion_models, vae, clip) and at that
 custom_nodes/ directory (utils/extra_config.py accepts any folder name,
-``custom_nodes`` included).  The ComfyUI checkout itself is never written to.
+``custom_nodes`` included).  With ``own_models_only`` (the default) that
+models directory is also ComfyUI's ``--models-directory``, so the server sees
+only the models it was given: never the checkout's own models/ folder, which
+on a user's machine holds their LoRAs.  The ComfyUI checkout itself is never
+written to.
 """
 
 from __future__ import annotations
@@ -229,6 +233,7 @@ class ComfyServer:
         env: dict | None = None,
         cpu: bool = True,
         other_packs: Iterable[str | os.PathLike] = (),
+        own_models_only: bool = True,
     ):
         root = Path(comfy_root) if comfy_root else find_comfy_root()
         if root is None or not is_comfy_root(root):
@@ -246,10 +251,11 @@ class ComfyServer:
         self.env = dict(env or {})
         self.cpu = cpu
         self.other_packs = [Path(p).resolve() for p in other_packs]
+        self.own_models_only = own_models_only
         self._url: str | None = None
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="comfy-host-"))
-        self.models_dir = Path(models_dir) if models_dir else self.workdir / "models"
+        self.models_dir = (Path(models_dir) if models_dir else self.workdir / "models").resolve()
         self.output_dir = self.workdir / "output"
         self.input_dir = self.workdir / "input"
         self.temp_dir = self.workdir / "temp"
@@ -323,6 +329,9 @@ class ComfyServer:
             ("--database-url", ["sqlite:///" + str(self.workdir / "comfyui.db")]),
             ("--disable-api-nodes", []),
         ]
+        if self.own_models_only:
+            # ComfyUI's default model folders are then this server's, not <checkout>/models.
+            optional.append(("--models-directory", [str(self.models_dir)]))
         if self.only_pack_custom_nodes and self.pack_root is not None:
             whitelist = [PACK_DIR_NAME, *(p.name for p in self.other_packs)]
             optional += [("--disable-all-custom-nodes", []), ("--whitelist-custom-nodes", whitelist)]

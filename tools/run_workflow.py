@@ -7,7 +7,8 @@
 By default it starts ComfyUI from $COMFYUI_PATH (else ~/comfy/ComfyUI) on 127.0.0.1 with this pack
 installed, using that install's own models folders. `--synthetic` generates an SD1.5-shaped
 checkpoint and three LoRAs with random weights and real key layouts, maps the example's file names
-onto them, and samples at 64×64 in 2 steps: it shows the pack working where no weights exist.
+onto them, and samples at 64×64 in 2 steps: it shows the pack working where no weights exist. The
+server then sees only those files, none of the install's own models.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def main() -> int:
             from tools import synth
             models, names = synthetic_models(root, python)
             prompt = shrink(prompt, names, synth.CHECKPOINT_NAME)
-        server = cs.ComfyServer(comfy_root=root, python=python, models_dir=models)
+        # Synthetic weights: the server sees only those; else the workflow's own files, in the checkout's models.
+        server = cs.ComfyServer(comfy_root=root, python=python, models_dir=models, own_models_only=args.synthetic)
         server.start()
     try:
         t0 = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,6 +66,17 @@ def test_stock_nodes_available(server):
         assert synth.LORA_NAMES[kind] in names
     ckpts = server.object_info("CheckpointLoaderSimple")["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"]
     assert synth.CHECKPOINT_NAME in (ckpts[0] if isinstance(ckpts[0], list) else ckpts[1].get("options", []))
+
+
+def test_the_server_reads_only_the_models_the_tests_give_it(server, comfy_root):
+    """No model folder of the server lies in the checkout's own models/ (a user's LoRAs there are no test's)."""
+    folders = server.get_json("/internal/folder_paths")
+    checkout_models = (comfy_root / "models").resolve()
+    seen = {kind: paths for kind, paths in folders.items() if kind != "custom_nodes"}
+    inside = {kind: [p for p in paths if Path(p).resolve().is_relative_to(checkout_models)]
+              for kind, paths in seen.items()}
+    assert not any(inside.values()), {kind: paths for kind, paths in inside.items() if paths}
+    assert str(server.models_dir / "loras") in seen["loras"]
 
 
 def test_stock_lora_chain_changes_image(server, record_property):
