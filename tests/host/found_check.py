@@ -35,6 +35,7 @@ whose attention is not recorded), and the finder's prompt longer than the model'
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -199,6 +200,7 @@ def found(run: Run) -> dict:
     result.update(diffs(s, ("recorded", "plain"), ("auto", "split"), ("plain_split", "plain"),
                         ("plain", "stock"), ("auto", "plain"), ("auto_again", "auto"), ("plain", "base")))
     result["recorded_equal"] = bool(run.torch.equal(s["recorded"], s["plain"]))
+    result["mkl_cbwr"] = os.environ.get("MKL_CBWR")  # MKL's reproducibility mode, which bit-for-bit claims need
     return result
 
 
