@@ -13,6 +13,9 @@ let page = null
 const messages = [] // console messages and page errors, in order
 
 function record(page) {
+  // The renderer's end, on stderr (the bridge's log), where browser.py reads it when a call does not answer.
+  page.on('crash', () => console.error(`[page] the renderer crashed at ${page.url()}`))
+  page.on('close', () => console.error('[page] closed'))
   page.on('console', (m) => {
     const loc = m.location()
     messages.push({ type: m.type(), text: m.text(), url: loc?.url ?? '', line: loc?.lineNumber ?? 0 })

@@ -1,7 +1,8 @@
 """Drive headless Chromium from pytest through playwright-core (bridge.mjs, one JSON line per call).
 
-Every call has a timeout; a bridge that stops answering is killed. Nothing here downloads a browser:
-the system Chromium is launched with a fresh profile directory.
+Every call has a timeout. A bridge that stops answering (a page stuck in a script, a renderer that died) is killed
+with its Chromium, and the next call starts both again on a blank page, so a hung page costs the test that met it and
+no other. Nothing here downloads a browser: the system Chromium is launched with a fresh profile directory.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -59,35 +61,60 @@ def ensure_playwright_core(timeout: float = 300.0) -> str | None:
 
 
 class Browser:
-    """One Chromium page behind bridge.mjs. `call(op, **args)` returns the op's value or raises."""
+    """One Chromium page behind bridge.mjs. `call(op, **args)` returns the op's value or raises.
+
+    `generation` counts the starts: a test that hands the page on to the next (a scenario module) tells from it
+    that the page it built was lost, and `stopped` says which call stopped the last one."""
 
     def __init__(self, node: str, chromium: str, log_path: Path):
         self.node = node
         self.chromium = chromium
         self.log_path = Path(log_path)
-        self.profile = Path(tempfile.mkdtemp(prefix="multilora-chromium-"))
+        self.profile: Path | None = None
         self.proc: subprocess.Popen | None = None
         self._replies: queue.Queue = queue.Queue()
         self._next = 0
+        self._log = None
+        self.viewport = (1700, 1400)
+        self.generation = 0
+        self.stopped: str | None = None
 
-    def start(self, viewport=(1700, 1400)) -> dict:
-        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115  (open while the bridge runs)
+    def start(self, viewport=None) -> dict:
+        """The bridge and its Chromium, on a fresh profile; a blank page."""
+        self.viewport = tuple(viewport or self.viewport)
+        self.profile = Path(tempfile.mkdtemp(prefix="multilora-chromium-"))
+        self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115  (open while the bridge runs)
+        self._log.write(f"===== bridge start {self.generation + 1}" + (f" after {self.stopped}" if self.stopped else "")
+                        + "\n")
+        self._log.flush()
+        # A session of its own: `kill` ends the bridge and the Chromium it launched together.
         self.proc = subprocess.Popen([self.node, str(BRIDGE)], cwd=WEB_DIR, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
-        threading.Thread(target=self._read, daemon=True).start()
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                     start_new_session=True)
+        self._replies = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc, self._replies), daemon=True).start()
+        self.generation += 1
         return self.call("launch", executablePath=self.chromium, userDataDir=str(self.profile), args=CHROMIUM_FLAGS,
-                         viewport={"width": viewport[0], "height": viewport[1]}, timeout=60_000, timeout_s=90)
+                         viewport={"width": self.viewport[0], "height": self.viewport[1]}, timeout=60_000, timeout_s=90)
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
+    @staticmethod
+    def _read(proc: subprocess.Popen, replies: queue.Queue) -> None:
+        for line in proc.stdout:
             line = line.strip()
             if line:
-                self._replies.put(json.loads(line))
-        self._replies.put(None)
+                replies.put(json.loads(line))
+        replies.put(None)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def call(self, op: str, timeout_s: float = CALL_TIMEOUT, **args):
-        if self.proc is None or self.proc.poll() is not None:
-            raise BrowserError(f"the browser bridge is not running; log: {self.log_tail()}")
+        if not self.running() and op != "launch":
+            if self.generation == 0:
+                raise BrowserError("the browser bridge was never started")
+            self.stopped = self.stopped or f"an exit between calls (log: {self.log_tail(500)})"
+            self.close()
+            self.start()  # a new bridge and browser, on a blank page
         self._next += 1
         req_id = self._next
         self.proc.stdin.write(json.dumps({"id": req_id, "op": op, "args": args}) + "\n")
@@ -96,10 +123,14 @@ class Browser:
             try:
                 reply = self._replies.get(timeout=timeout_s)
             except queue.Empty:
+                self.stopped = f"{op} {describe(args)}"
                 self.kill()
-                raise BrowserError(f"{op} did not answer within {timeout_s:.0f}s; the bridge was stopped") from None
+                raise BrowserError(f"{op} {describe(args)} did not answer within {timeout_s:.0f}s (the page hung, or its "
+                                   f"renderer died); the bridge and its browser were stopped, and the next call starts "
+                                   f"them again. Page events: {self._page_events()}") from None
             if reply is None:
-                raise BrowserError(f"the browser bridge exited during {op}; log: {self.log_tail()}")
+                self.stopped = f"{op} {describe(args)}"
+                raise BrowserError(f"the browser bridge exited during {op} {describe(args)}; log: {self.log_tail()}")
             if reply.get("id") == req_id:
                 break
         if not reply.get("ok"):
@@ -127,20 +158,40 @@ class Browser:
         except OSError:
             return ""
 
+    def _page_events(self) -> str:
+        """The renderer's own last words in the bridge's log (bridge.mjs logs a crash or a close of the page)."""
+        lines = [line for line in self.log_tail(4000).splitlines() if line.startswith("[page]")]
+        return "; ".join(lines[-3:]) or "none logged"
+
     def kill(self) -> None:
+        """The bridge and the Chromium it launched, ended at once."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait(timeout=10)
 
     def close(self) -> None:
         try:
-            if self.proc is not None and self.proc.poll() is None:
+            if self.running():
                 self.call("close", timeout_s=20)
                 self.proc.wait(timeout=10)
         except (BrowserError, subprocess.TimeoutExpired, OSError, ValueError):
             pass
         finally:
             self.kill()
-            if getattr(self, "_log", None) is not None:
+            if self._log is not None:
                 self._log.close()
-            shutil.rmtree(self.profile, ignore_errors=True)
+                self._log = None
+            if self.profile is not None:
+                shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def describe(args: dict, width: int = 100) -> str:
+    """What a call waited for, in a line: its function's source, selector or address."""
+    what = next((args[k] for k in ("fn", "selector", "url", "action") if args.get(k)), None)
+    if what is None:
+        return ""
+    text = " ".join(str(what).split())
+    return repr(text if len(text) <= width else text[:width - 1] + "…")

@@ -107,13 +107,34 @@ def browser(browser_tools, web_server, artifacts):
         b.close()
 
 
+_SCENARIO_PAGE: dict[str, int] = {}  # module -> the browser's generation its first test ran on
+
+
+@pytest.fixture(autouse=True)
+def scenario_page(request):
+    """In a module written as one scenario (`random_order(disabled=True)`: each test builds on the page the tests
+    before it left), a test that comes after the browser was started again fails at once, naming the call that did
+    not answer, rather than meet a blank page."""
+    marker = request.node.get_closest_marker("random_order")
+    if marker is None or not marker.kwargs.get("disabled") or "browser" not in request.fixturenames:
+        yield
+        return
+    b = request.getfixturevalue("browser")
+    first = _SCENARIO_PAGE.setdefault(request.node.module.__name__, b.generation)
+    if b.generation != first:
+        pytest.fail(f"the page this scenario built was lost: the browser was started again after {b.stopped} did "
+                    f"not answer")
+    yield
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A screenshot of the whole page when a browser test fails, next to the node's screenshots."""
+    """A screenshot of the whole page when a browser test fails, next to the node's screenshots (not of the blank
+    page a browser stopped by the failure would start on)."""
     outcome = yield
     report = outcome.get_result()
     b = item.funcargs.get("browser") if hasattr(item, "funcargs") else None
-    if report.when == "call" and report.failed and b is not None:
+    if report.when == "call" and report.failed and b is not None and b.running():
         try:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             b.call("screenshot", path=str(ARTIFACTS / f"failed-{item.name}.png"), timeout_s=20)
