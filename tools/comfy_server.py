@@ -19,10 +19,11 @@ extra_model_paths.yaml that points ComfyUI at a caller-supplied models
 directory (checkpoints, loras, diffusion_models, vae, clip) and at that
 custom_nodes/ directory (utils/extra_config.py accepts any folder name,
 ``custom_nodes`` included).  With ``own_models_only`` (the default) that
-models directory is also ComfyUI's ``--models-directory``, so the server sees
-only the models it was given: never the checkout's own models/ folder, which
-on a user's machine holds their LoRAs.  The ComfyUI checkout itself is never
-written to.
+models directory is also ComfyUI's ``--models-directory``, and a checkout's
+own extra_model_paths.yaml is left out (`ComfyServer.launch_root`), so the
+server sees only the models it was given: never the checkout's models/ folder
+or the folders its yaml names, which on a user's machine hold their LoRAs.
+The ComfyUI checkout itself is never written to.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PACK_DIR_NAME = "ComfyUI-MultiLoRA"
 MODEL_SUBDIRS = ("checkpoints", "loras", "diffusion_models", "vae", "clip")
 DEFAULT_COMFY_PATH = Path("~/comfy/ComfyUI").expanduser()
 PACK_ROOT = Path(__file__).resolve().parents[1]
+USER_PATHS = "extra_model_paths.yaml"  # a checkout's own list of model folders, which main.py always reads
 
 # Bounded defaults (seconds).
 STARTUP_TIMEOUT = 180.0
@@ -311,6 +313,22 @@ class ComfyServer:
         custom_nodes/, else its link in this server's custom_nodes/."""
         return pack if pack.parent == self.comfy_root / "custom_nodes" else self.custom_nodes_dir / pack.name
 
+    def launch_root(self) -> Path:
+        """The folder main.py runs from: the checkout; or, where the checkout holds an extra_model_paths.yaml of its
+        own (main.py reads that file from its own folder whatever the flags, and it names a user's model folders),
+        with `own_models_only` a folder of this server's of links to the checkout's entries, with a copy of main.py
+        and without that file. Every other module is the checkout's, and nothing is written to the checkout."""
+        if not (self.own_models_only and (self.comfy_root / USER_PATHS).is_file()):
+            return self.comfy_root
+        shadow = self.workdir / "comfyui"
+        shadow.mkdir(exist_ok=True)
+        for entry in self.comfy_root.iterdir():
+            link = shadow / entry.name
+            if entry.name not in (USER_PATHS, "main.py") and not link.is_symlink():
+                link.symlink_to(entry, target_is_directory=entry.is_dir())
+        shutil.copyfile(self.comfy_root / "main.py", shadow / "main.py")
+        return shadow
+
     def command(self) -> list[str]:
         flags = supported_cli_flags(self.comfy_root)
         cmd = [
@@ -383,7 +401,7 @@ class ComfyServer:
         self._log_file.flush()
         self.proc = subprocess.Popen(
             self.command(),
-            cwd=str(self.comfy_root),
+            cwd=str(self.launch_root()),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
