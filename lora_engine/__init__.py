@@ -11,6 +11,7 @@
 """
 
 from .adapter import Adapter, FileIdentity, load_adapter
+from .banks import all_banks, occupancies
 from .binding import bind
 from .cache import AdapterCache, CacheStats, default_cache
 from .blocks import BlockWeights
@@ -21,9 +22,9 @@ from .keymap import KeyMap, Target
 from .reader import read_header
 from .report import MatchReport
 from .regions import Gathered, Layout, Region, Tokens
+from .request import Entry
 from .schedule import Schedule
-from .slots import Activation, SlotBank, all_banks, occupancies
-from .strengths import Entry
+from .slots import Activation, SlotBank
 
 __all__ = [
     "Activation", "Adapter", "AdapterCache", "BlockWeights", "CacheStats", "EngineError", "Entry", "FileIdentity",

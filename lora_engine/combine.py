@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .binding import Geometry, ModulePlan
 from .errors import NonFiniteError
+from .plan import Geometry, ModulePlan
 
 
 @dataclass

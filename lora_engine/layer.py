@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from . import runtime
-from .binding import Geometry, ModulePlan
 from .errors import ShapingError
+from .plan import Geometry, ModulePlan
 from .strengths import Owner, Strengths
 
 

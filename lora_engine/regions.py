@@ -164,7 +164,10 @@ class Masks:
         self._latent, self._factors, self._layers = {}, {}, {}
 
     def set_tokens(self, tokens: Tokens | None) -> None:
-        """The tokens of the calls that follow; the factors are made again where the latent's grid changed."""
+        """Where the rows of the model calls that follow lie (`Tokens`: the latent's grid, and which rows of a layer's
+        input are image tokens), which masked entries need; None: not known (a masked entry then refuses to run).
+        Set by the host before each model call (a bank's `strengths.masks`); the factors are made again only where
+        the latent's grid changed."""
         if tokens is not None and self.tokens is not None and tokens.latent != self.tokens.latent:
             self._forget()
         self.tokens = tokens
@@ -183,7 +186,7 @@ class Masks:
         if self.tokens is None:
             raise ShapingError(f"layer {name!r} of {model_name} runs with masked LoRA entries, but the host has "
                                "not said where the model call's tokens lie", remedy="set the call's tokens "
-                               "(SlotBank.set_tokens) before the model runs")
+                               "(bank.strengths.masks.set_tokens) before the model runs")
         if x.dim() == 2 and geometry.channel_last and self.tokens.gathered is not None:
             rows = self.tokens.gathered(name, x)
             if rows is not None:

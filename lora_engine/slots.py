@@ -27,15 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import writes
+from . import banks, writes
 from .adapter import Adapter
 from .binding import Binding, bind
 from .errors import SlotLimitError
 from .keymap import KeyMap
 from .layer import LayerSlots
-from .regions import Region, Tokens
+from .regions import Region
 from .report import MatchReport
-from .strengths import Entry, Owner, Request, Strength, Strengths
+from .request import Entry, Request, Strength
+from .strengths import Owner, Strengths
 
 
 def _state_writes(method):
@@ -60,20 +61,12 @@ class Activation:
     bytes_copied: int
 
 
-def _shared(part: str, name: str, settable: bool = False) -> property:
-    """A bank attribute that its strength table (`part` "strengths") or its owner record ("owner") holds."""
-    def get(self):
-        return getattr(getattr(self, part), name)
-
-    def put(self, value):
-        setattr(getattr(self, part), name, value)
-    return property(get, put if settable else None, doc=f"`{part}.{name}`")
-
-
 class SlotBank:
     """The runtime adapter state of one model. Use `SlotBank.of(root)` to share one per module. The model owns the
     bank until `release`, and the bank does not keep the model alive (`root`): hold the model while it is used.
-    Its strengths live in `strengths` (a `Strengths`), and what its layers and writes share of it in `owner`."""
+    Its strengths live in `strengths` (a `Strengths`: the scale, `active`, the host's `call_rows` and the masks'
+    tokens), and what its layers and writes share of it in `owner` (an `Owner`: the model's name, dtype and device,
+    the counters, `release_when_idle`); they are read and set there. The process lists it (`banks`) until `release`."""
 
     BINDINGS_KEPT = 4  # bindings kept for adapters that are not resident
 
@@ -100,23 +93,7 @@ class SlotBank:
         self.copies = 0
         self.bytes_copied = 0
         root.__dict__.setdefault(self.OWNED, []).append(self)  # the root owns its banks (`root`)
-        with _BANKS_LOCK:
-            _BANKS.add(self)
-
-    model_name = _shared("owner", "model_name")
-    dtype = _shared("owner", "dtype")
-    device = _shared("owner", "device")
-    slot_rank = _shared("owner", "slot_rank")
-    weight_fn = _shared("owner", "weight_fn")
-    reallocations = _shared("owner", "reallocations")
-    hooks_made = _shared("owner", "hooks_made")  # a host that compiles the model recompiles when this grows
-    release_when_idle = _shared("owner", "release_when_idle", settable=True)  # see `Owner`
-    active = _shared("strengths", "active")
-    call_rows = _shared("strengths", "call_rows", settable=True)  # see `Strengths`
-    scale = _shared("strengths", "scale")
-    generation = _shared("strengths", "generation")
-    all_zero = _shared("strengths", "all_zero")
-    progress = _shared("strengths", "progress")
+        banks.add(self)
 
     # -- sharing ---------------------------------------------------------------------------------------
 
@@ -184,7 +161,7 @@ class SlotBank:
             key = id(adapter)
             b = self._bindings.get(key)
             if b is None or b.adapter is not adapter:
-                b = bind(adapter, self.keymap, self.model_name)
+                b = bind(adapter, self.keymap, self.owner.model_name)
                 self._bindings[key] = b
                 self._prune_bindings(keep=key)
             self._bindings.move_to_end(key)
@@ -297,13 +274,6 @@ class SlotBank:
             self.strengths.set_strength(slot, value, names, self.layers, adapter.path)
             self._tell_layers()
 
-    def set_tokens(self, tokens: Tokens | None) -> None:
-        """Where the rows of the model calls that follow lie (`regions.Tokens`: the latent's grid, and which rows of a
-        layer's input are image tokens), which masked entries need; None: not known (a masked entry then refuses
-        to run). Set by the host before each model call; the factors are made again only where the latent's grid
-        changed."""
-        self.strengths.masks.set_tokens(tokens)
-
     @property
     def masked(self) -> bool:
         """An active entry has a mask (`Entry.region`)."""
@@ -334,8 +304,7 @@ class SlotBank:
             self._bindings.clear()
             self.strengths.clear()
             self.owner.release_when_idle = None
-            with _BANKS_LOCK:
-                _BANKS.discard(self)
+            banks.discard(self)
             root = self.root
             if root is not None:
                 if self.attached(root) is self:
@@ -362,16 +331,17 @@ class SlotBank:
 
     def occupancy(self) -> dict:
         with self.lock:
-            scale = self.scale.detach().cpu()
+            owner, strengths = self.owner, self.strengths
+            scale = strengths.scale.detach().cpu()
             return {
-                "model": self.model_name, "max_loras": self.max_loras, "device": str(self.device),
-                "dtype": str(self.dtype).replace("torch.", ""), "active": self.active,
+                "model": owner.model_name, "max_loras": self.max_loras, "device": str(owner.device),
+                "dtype": str(owner.dtype).replace("torch.", ""), "active": strengths.active,
                 "layers": len(self.layers), "bytes": sum(layer.nbytes() for layer in self.layers.values()),
-                "copies": self.copies, "bytes_copied": self.bytes_copied, "reallocations": self.reallocations,
-                "progress": self.progress, "scheduled_slots": sorted(self.strengths.schedules),
+                "copies": self.copies, "bytes_copied": self.bytes_copied, "reallocations": owner.reallocations,
+                "progress": strengths.progress, "scheduled_slots": sorted(strengths.schedules),
                 "weighted_layers": sum(layer.factor is not None for layer in self.layers.values()),
                 "slots": [None if a is None else {
-                    "name": a.name, "fingerprint": a.fingerprint, "masked": i in self.strengths.masks.regions,
+                    "name": a.name, "fingerprint": a.fingerprint, "masked": i in strengths.masks.regions,
                     "strength": scale[i].item() if scale.dim() == 1 else scale[:, i].tolist()}
                     for i, a in enumerate(self.slots)],
             }
@@ -385,7 +355,7 @@ class SlotBank:
         for i, a in enumerate(self.slots):
             if a is adapter:
                 return i
-        raise KeyError(f"{adapter.name!r} is not resident in a slot of {self.model_name}")
+        raise KeyError(f"{adapter.name!r} is not resident in a slot of {self.owner.model_name}")
 
     def _abandon(self, previous: list[Adapter | None]) -> None:
         """After a write failed (out of memory, an interrupt): every slot whose adapter changed goes to strength
@@ -416,29 +386,6 @@ class SlotBank:
             self.strengths.live_changed = False
             for layer in self.layers.values():
                 layer.set_live(self.strengths)
-
-
-_BANKS: weakref.WeakSet[SlotBank] = weakref.WeakSet()
-_BANKS_LOCK = threading.Lock()
-
-
-def all_banks() -> list[SlotBank]:
-    """Every live bank in the process, for status reporting (safe while another thread creates one)."""
-    with _BANKS_LOCK:
-        banks = list(_BANKS)
-    return [b for b in banks if b.holds]
-
-
-def occupancies() -> list[dict]:
-    """Every live bank's `occupancy`, each read under the bank's lock: a bank that another thread released after
-    `all_banks` listed it (ComfyUI's prompt worker unloading its model while the server reads the status) is left
-    out, not listed halfway through its release."""
-    out = []
-    for bank in all_banks():
-        with bank.lock:
-            if bank.holds:
-                out.append(bank.occupancy())
-    return out
 
 
 def _compute_dtype(params: list[torch.Tensor]) -> torch.dtype:

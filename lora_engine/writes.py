@@ -10,11 +10,12 @@ from typing import NamedTuple
 
 import torch
 
-from .binding import Binding, ModulePlan
+from .binding import Binding
 from .copies import SlotCopies
 from .errors import NonFiniteError
 from .layer import LayerSlots
 from .patches import absmax
+from .plan import ModulePlan
 from .strengths import Owner, Strengths
 
 

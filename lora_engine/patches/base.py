@@ -13,7 +13,7 @@ Each algorithm is one `WeightPatch` subclass in a file of its own (`lowrank`, `l
 - `delta` and `bound`: ΔW in fp32, and a bound on its entries from the factors' maxima;
 - its low-rank form, where it has one: `stored_rank` (factors run as stored), or `product_rank` with `factors` and
   `factor_bounds` (factors built from its own), or `half_shapes` and `halves` (a Kronecker product applied as its
-  two factors). `binding.ModulePlan` asks these and decides which path a layer takes.
+  two factors). `plan.ModulePlan` asks these and decides which path a layer takes.
 """
 
 from __future__ import annotations

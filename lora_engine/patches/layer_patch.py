@@ -36,7 +36,7 @@ class LayerPatch:
     @property
     def product_rank(self) -> int | None:
         """The rank of the exact low-rank form of the weight patch's product (a LoHa or LoKr without Tucker cores, or a
-        GLoRA), without DoRA; else None. `binding.ModulePlan` decides whether the layer runs it."""
+        GLoRA), without DoRA; else None. `plan.ModulePlan` decides whether the layer runs it."""
         if self.dora_scale is not None or self.weight is None:
             return None
         return self.weight.product_rank

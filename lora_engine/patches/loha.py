@@ -3,7 +3,7 @@
 Without Tucker cores the product has an exact low-rank form B·A of rank r1·r2 (`factors`), built from its factors:
 B[o, (p,q)] = W1a[o,p]·W2a[o,q] and A[(p,q), i] = W1b[p,i]·W2b[q,i] (row-wise and column-wise Kronecker products).
 Where that rank is small enough that B and A hold fewer elements than ΔW, the layer runs them as a low-rank adapter
-(`binding.ModulePlan`) instead of a dense ΔW.
+(`plan.ModulePlan`) instead of a dense ΔW.
 """
 
 from __future__ import annotations

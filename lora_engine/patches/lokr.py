@@ -4,7 +4,7 @@ Tucker core (`lokr_t2`).
 Without a Tucker core the product has an exact low-rank form B·A (`factors`): with W1 = U1·V1 and W2 = U2·V2 (a full
 factor as I·W or W·I, whichever is narrower), kron(W1, W2) = kron(U1, U2)·kron(V1, V2); a conv's W2 is read as
 [out, in·kh·kw], which is how kron lays out ΔW's flattened inputs. Where that rank is small enough that B and A hold
-fewer elements than ΔW, the layer runs them as a low-rank adapter (`binding.ModulePlan`).
+fewer elements than ΔW, the layer runs them as a low-rank adapter (`plan.ModulePlan`).
 
 A LoKr on a Linear whose product has no such small form is applied as it is stored (`halves`):
 kron(W1, W2)·x = vec(W1 · X · W2ᵀ), X the input read as [b, d], two small products of b·d·c + a·b·c multiply-adds

@@ -13,8 +13,8 @@ from ...lora_engine.blocks import BlockWeights, layer_weights, layout
 from ...lora_engine.errors import ShapingError
 from ...lora_engine.found import Sought
 from ...lora_engine.regions import Region
+from ...lora_engine.request import Entry, Request
 from ...lora_engine.schedule import Schedule
-from ...lora_engine.strengths import Entry, Request
 
 from .found import Finding, install
 from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use

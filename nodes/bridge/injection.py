@@ -13,7 +13,7 @@ import comfy.patcher_extension
 import torch
 
 from ...lora_engine import Adapter, SlotBank, all_banks
-from ...lora_engine.strengths import Entry, Request
+from ...lora_engine.request import Entry, Request
 
 from .errors import host_errors
 from .found import Finding
@@ -94,7 +94,7 @@ class StackInjection(comfy.patcher_extension.PatcherInjection):
     def in_use(self, patcher) -> bool:
         """A stack is active in that bank: injected by a clone ComfyUI holds loaded (this one, or another)."""
         bank = SlotBank.attached(self._root(patcher))
-        return bank is not None and bank.active
+        return bank is not None and bank.strengths.active
 
     def deactivate(self, patcher):
         """Deactivate the bank where `patcher` activated its stack last: a clone that ComfyUI never loaded but that
@@ -140,7 +140,7 @@ def track_use(root, injection: StackInjection) -> None:
         weakref.finalize(injection, _dropped, weakref.ref(root), id(injection)).atexit = False
     bank = SlotBank.attached(root)
     if bank is not None:
-        bank.release_when_idle = None
+        bank.owner.release_when_idle = None
 
 
 def _dropped(root_ref, user: int) -> None:
@@ -156,7 +156,7 @@ def _dropped(root_ref, user: int) -> None:
     users.discard(user)
     bank = SlotBank.attached(root)
     if not users and bank is not None:
-        bank.release_when_idle = lambda: _release_idle(root_ref)
+        bank.owner.release_when_idle = lambda: _release_idle(root_ref)
 
 
 def _release_idle(root_ref) -> None:
@@ -175,11 +175,11 @@ def recompile_for_new_hooks(bank: SlotBank) -> None:
     hook would keep running without it, and the stack's LoRAs would be missing from that layer, silently. The
     reset makes the next run trace again, with every hook; slider moves, swaps and releases make no hook and
     reset nothing."""
-    if bank.hooks_made == bank.__dict__.get(COMPILED_HOOKS, 0):
+    if bank.owner.hooks_made == bank.__dict__.get(COMPILED_HOOKS, 0):
         return
-    bank.__dict__[COMPILED_HOOKS] = bank.hooks_made
+    bank.__dict__[COMPILED_HOOKS] = bank.owner.hooks_made
     log.info("[MultiLoRA] the stack reaches layers of %s that had no hook when torch.compile traced it: "
-             "torch.compile's caches are reset, and the next run compiles again", bank.model_name)
+             "torch.compile's caches are reset, and the next run compiles again", bank.owner.model_name)
     torch.compiler.reset()
 
 
@@ -187,7 +187,7 @@ def release_slots(root, why: str) -> None:
     """Free the slots of the bank on `root`, unless a stack is active in it; the next activation makes a new bank
     and copies its adapters from the process-wide cache (from pinned memory on CUDA)."""
     bank = SlotBank.attached(root)
-    if bank is None or bank.active:
+    if bank is None or bank.strengths.active:
         return
     held = bank.occupancy()
     bank.release()

@@ -82,7 +82,7 @@ class ModelCallWrapper:
     strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the call's batch
     has that many items: a latent of another batch would otherwise spread the cells over the cond and uncond chunks
     instead, and sample wrong images without an error. The call's batch is told to the bank for the call's duration
-    (`SlotBank.call_rows`): a layer whose input has other rows (HiDream's routed experts) then refuses per-item
+    (`Strengths.call_rows`): a layer whose input has other rows (HiDream's routed experts) then refuses per-item
     strengths instead of giving them to other items' tokens. With regions to find (`found.Finding`), it marks the
     calls before find_until for recording, and puts the regions on the bank at find_until."""
 
@@ -116,13 +116,13 @@ class ModelCallWrapper:
                     transformer_options = self.finding.before_call(bank, progress, x, c_crossattn,
                                                                    transformer_options)
             if bank.masked:
-                bank.set_tokens(tokens_of(root, x))  # where the masks' rows lie in this call
-            bank.call_rows = x.shape[0]  # per-item strengths reach only layers whose input has these rows
+                bank.strengths.masks.set_tokens(tokens_of(root, x))  # where the masks' rows lie in this call
+            bank.strengths.call_rows = x.shape[0]  # per-item strengths reach only layers whose input has these rows
         try:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         finally:
             if bank is not None:
-                bank.call_rows = None
+                bank.strengths.call_rows = None
 
 
 class PrepareSampling:

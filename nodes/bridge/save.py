@@ -13,8 +13,8 @@ import comfy.lora
 import torch
 
 from ...lora_engine import LoRAError, LoRAFileError, read_header
-from ...lora_engine.binding import Geometry
 from ...lora_engine.combine import LayerResult, SavedLayer, combine
+from ...lora_engine.plan import Geometry
 
 from .apply import StackEntry, fixed_strengths
 from .bake import check_interrupt, progress, save_target, write_atomic

@@ -101,7 +101,7 @@ def expected_delta(tensors: dict[str, torch.Tensor], prefix: str, shape: torch.S
 
 
 # A LoHa of this rank has a product of rank 64, more than ΔW holds on any of the tiny model's layers: it takes the
-# dense path there. At rank 2 its product (rank 4) runs as a low-rank adapter on every layer (`binding.ModulePlan`).
+# dense path there. At rank 2 its product (rank 4) runs as a low-rank adapter on every layer (`plan.ModulePlan`).
 DENSE_LOHA_RANK = 8
 
 

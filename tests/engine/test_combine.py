@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_engine import KeyMap, SlotBank, bind, fuse, load_adapter
-from lora_engine.binding import Geometry
+from lora_engine.plan import Geometry
 from lora_engine.combine import SavedLayer, combine
 
 from . import lycoris_oracle as lo

@@ -162,16 +162,16 @@ def test_a_graph_traced_before_a_layer_got_its_hook_runs_until_a_reset_when_hook
                         name="full")
     bank = SlotBank(model, max_loras=2)
     bank.activate([(part, 1.0)])
-    assert bank.hooks_made == 1
+    assert bank.owner.hooks_made == 1
     compiled, x = torch.compile(model, backend=testing.CompileCounter()), lf.tiny_input()
     with torch.no_grad():
         compiled(x)
         bank.activate([(part, 1.0), (full, 1.0)])
-        assert bank.hooks_made == len(lf.LAYERS)
+        assert bank.owner.hooks_made == len(lf.LAYERS)
         stale = (compiled(x) - model(x)).abs().max()
         torch._dynamo.reset()
         assert (compiled(x) - model(x)).abs().max() <= 1e-6
     assert stale > 1e-2  # what a host that compiles must reset for
     bank.activate([(full, 0.5)])
     bank.activate([(part, 1.0)])
-    assert bank.hooks_made == len(lf.LAYERS)
+    assert bank.owner.hooks_made == len(lf.LAYERS)

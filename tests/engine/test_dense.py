@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_engine import NonFiniteError, SlotBank, load_adapter
-from lora_engine import binding as binding_module
+from lora_engine import plan as plan_module
 
 from . import lora_files as lf
 
@@ -71,7 +71,7 @@ def test_dense_deltas_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
     model = lf.tiny().to(torch.bfloat16)
     adapter = load_adapter(lf.write(tmp_path, "h.safetensors", lf.loha_tensors(lf.tiny(), 5, rank=lf.DENSE_LOHA_RANK)),
                            pin=False)
-    made, real = [], binding_module.ModulePlan.dense
+    made, real = [], plan_module.ModulePlan.dense
 
     def dense(self, *args):
         assert all(r() is None for r in made), "an earlier layer's fp32 delta is still held"
@@ -79,7 +79,7 @@ def test_dense_deltas_are_made_one_layer_at_a_time(tmp_path, monkeypatch):
         made.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(binding_module.ModulePlan, "dense", dense)
+    monkeypatch.setattr(plan_module.ModulePlan, "dense", dense)
     bank = SlotBank(model, max_loras=1)
     bank.activate([(adapter, 1.0)])
     assert len(made) == len(lf.LAYERS) == sum(bool(layer.dense) for layer in bank.layers.values())

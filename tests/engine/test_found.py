@@ -129,7 +129,7 @@ def test_found_masks_on_resident_adapters_equal_the_same_masks_at_activation(tmp
     a = load_adapter(lf.write(tmp_path, "a.safetensors", rm.lora(m, 10)), name="a")
     b = load_adapter(lf.write(tmp_path, "b.safetensors", rm.lora(m, 11)), name="b")
     bank = SlotBank(m, max_loras=2)
-    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
+    bank.strengths.masks.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
     x, ctx = rm.inputs(1)
     mask = left_half(rm.LATENT).unsqueeze(0)
     bank.activate([Entry(a, 0.8, region=Region.of(mask)), Entry(b, -0.6, region=Region.of(1.0 - mask))])

@@ -29,7 +29,7 @@ def setup(tmp_path, kind: str, files=("lora", "lora")):
         tensors = rm.lora(m, 10 + i) if what == "lora" else rm.diff(m, 10 + i)
         adapters.append((load_adapter(lf.write(tmp_path, f"{kind}{i}.safetensors", tensors), name=f"a{i}"), tensors))
     bank = SlotBank(m, max_loras=len(files))
-    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
+    bank.strengths.masks.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
     return m, bank, adapters
 
 
@@ -96,7 +96,7 @@ def test_a_mask_of_ones_is_the_plain_stack_and_of_zeros_no_lora_exactly(tmp_path
     bank.release()
     base = run(rm.model(kind), x, ctx)
     bank = SlotBank(m, max_loras=1)
-    bank.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
+    bank.strengths.masks.set_tokens(Tokens((1, *rm.LATENT), m.layout, m.gathered))
     bank.activate([Entry(a, 0.8, region=Region.of(torch.zeros(1, 16, 16)))])
     assert torch.equal(run(m, x, ctx), base)
     bank.activate([Entry(a, 0.8, region=Region.of(torch.ones(1, 16, 16), invert=True, outside=0.0, text=0.0))])
@@ -159,10 +159,10 @@ def test_masks_are_refused_where_the_host_cannot_place_them(tmp_path, kind):
     with pytest.raises(ShapingError, match="a mask batch holds 3 masks"):
         run(m, x, ctx)
     bank.activate([Entry(a, 0.8, region=Region.of(masks(1)))])
-    bank.set_tokens(None)
+    bank.strengths.masks.set_tokens(None)
     with pytest.raises(ShapingError, match="has not said where the model call's tokens lie"):
         run(m, x, ctx)
-    bank.set_tokens(Tokens((1, *rm.LATENT), lambda name, x: Layout((1, 64, 64))))
+    bank.strengths.masks.set_tokens(Tokens((1, *rm.LATENT), lambda name, x: Layout((1, 64, 64))))
     with pytest.raises(ShapingError, match="do not match its latent"):
         run(m, x, ctx)
 
@@ -202,7 +202,7 @@ def test_the_mask_multiplies_per_item_strengths(tmp_path, kind):
     mask = masks(9)
     bank.activate([Entry(a, [0.9, -0.4], region=Region.of(mask, outside=0.1, text=0.6)), Entry(b, 0.5)])
     if kind == "routed":
-        bank.call_rows = 2
+        bank.strengths.call_rows = 2
         with pytest.raises(ShapingError, match="'experts.0' .* so per-item LoRA strengths"):
             run(m, x, ctx)
         return
@@ -243,8 +243,8 @@ def test_a_layer_whose_rows_are_not_the_calls_items_is_refused(tmp_path):
     m, bank, ((a, _), _) = setup(tmp_path, "dit")
     x, ctx = rm.inputs(2)
     bank.activate([Entry(a, 0.8, region=Region.of(masks(1)))])
-    bank.call_rows = 4
+    bank.strengths.call_rows = 4
     with pytest.raises(ShapingError, match="mixes the items' tokens"):
         run(m, x, ctx)
-    bank.call_rows = 2
+    bank.strengths.call_rows = 2
     run(m, x, ctx)

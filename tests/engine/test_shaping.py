@@ -10,7 +10,7 @@ from lora_engine.blocks import BlockWeights, block_of, layer_weights, layout, pr
 from lora_engine.errors import ShapingError
 from lora_engine.grid import GridError, build, parse_axis
 from lora_engine.schedule import Product, Schedule, Switch, step_progress
-from lora_engine.strengths import Entry
+from lora_engine.request import Entry
 
 from . import lora_files as lf
 
@@ -146,7 +146,7 @@ def test_schedule_sets_the_strength_at_each_progress(adapter):
         assert torch.equal(out(model, x), ref[s]), p
     assert bank.copies == copies  # the adapter stayed in its slot
     bank.set_progress(0.0)
-    assert bank.all_zero  # a zero multiplier skips every hook
+    assert bank.strengths.all_zero  # a zero multiplier skips every hook
 
 
 def test_a_switch_gives_each_entry_its_turns(tmp_path, adapter):
@@ -259,7 +259,7 @@ def test_warm_zero_slots_are_not_computed(tmp_path):
     assert layer.hi == 1 and layer.lr_used == {0, 1}  # b's slot is warm but cut from the GEMMs
     assert torch.equal(out(model, x), alone)
     bank.activate([(a, 0.0), (b, 0.0)])
-    assert all(layer.idle for layer in bank.layers.values()) and bank.all_zero
+    assert all(layer.idle for layer in bank.layers.values()) and bank.strengths.all_zero
     bank.activate([(a, 0.0), (b, [0.0, 0.5])])  # per item: live when any item is not 0
     assert layer.hi == 2
     per_item = out(model, x)

@@ -138,7 +138,7 @@ def test_half_precision_model(adapters):
     x = lf.tiny_input().to(torch.bfloat16)
     model = lf.tiny().to(torch.bfloat16)
     bank = SlotBank(model, max_loras=1)
-    assert bank.dtype == torch.bfloat16
+    assert bank.owner.dtype == torch.bfloat16
     bank.activate([(adapters[0], 1.0)])
     got = run(model, x).float()
     ref = solo([(adapters[0], 1.0)], x.float())
@@ -170,7 +170,7 @@ def test_fixed_slot_rank_keeps_shapes(adapters):
     shapes = {n: tuple(layer.a.shape) for n, layer in bank.layers.items()}
     bank.activate([(adapters[3], 1.0), (adapters[1], 1.0)])
     assert {n: tuple(layer.a.shape) for n, layer in bank.layers.items()} == shapes
-    assert bank.reallocations == len(shapes)
+    assert bank.owner.reallocations == len(shapes)
 
 
 def test_a_bank_does_not_keep_evicted_adapters_alive(tmp_path):
@@ -313,7 +313,7 @@ def test_release_when_idle_runs_at_the_first_forward_without_the_stack(adapters)
     bank = SlotBank(model, max_loras=1)
     bank.activate([(adapters[0], 1.0)])
     released = []
-    bank.release_when_idle = lambda: (released.append(True), bank.release())
+    bank.owner.release_when_idle = lambda: (released.append(True), bank.release())
     with_stack = run(model, x)
     assert not released and (with_stack - solo([(adapters[0], 1.0)], x)).abs().max() <= TOL
     bank.deactivate()
@@ -321,7 +321,7 @@ def test_release_when_idle_runs_at_the_first_forward_without_the_stack(adapters)
     bank.deactivate()
     run(model, x)
     assert not released  # the activation cancelled it
-    bank.release_when_idle = lambda: (released.append(True), bank.release())
+    bank.owner.release_when_idle = lambda: (released.append(True), bank.release())
     base = run(model, x)
     assert released == [True] and not bank.layers and not any(m._forward_hooks for m in model.modules())
     assert (base - solo([], x)).abs().max() == 0

@@ -58,13 +58,13 @@ def test_a_failed_write_leaves_the_kept_adapters_as_they_were(adapters, monkeypa
     """A write that fails mid-activation (out of device memory, an interrupt) raises; the adapters the bank kept
     compute at their previous strengths, a newcomer already written stays warm at 0 rather than taking its
     slot's previous strength, and the next activation works."""
-    from lora_engine import binding
+    from lora_engine import plan
     a, b, c, d = adapters
     x = lf.tiny_input()
     model = lf.tiny()
     bank = SlotBank(model, max_loras=3)
     bank.activate([(a, 0.5), (b, 0.8)])
-    real, calls = binding.ModulePlan.write_factors, {"n": 0}
+    real, calls = plan.ModulePlan.write_factors, {"n": 0}
 
     def failing(self, *args):
         calls["n"] += 1
@@ -72,12 +72,12 @@ def test_a_failed_write_leaves_the_kept_adapters_as_they_were(adapters, monkeypa
             raise RuntimeError("CUDA out of memory (simulated)")
         return real(self, *args)
 
-    monkeypatch.setattr(binding.ModulePlan, "write_factors", failing)
+    monkeypatch.setattr(plan.ModulePlan, "write_factors", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         bank.activate([(b, 0.3), (c, 1.0), (d, -0.7)])  # a leaves, c takes a's slot, d fails
     assert calls["n"] > 1 and bank.slots[0] is c
     assert torch.allclose(run(model, x), solo([(b, 0.8)], x), atol=TOL)
-    monkeypatch.setattr(binding.ModulePlan, "write_factors", real)
+    monkeypatch.setattr(plan.ModulePlan, "write_factors", real)
     bank.activate([(b, 0.3), (c, 1.0), (d, -0.7)])
     assert torch.allclose(run(model, x), solo([(b, 0.3), (c, 1.0), (d, -0.7)], x), atol=TOL)
 

@@ -67,19 +67,19 @@ def test_per_item_strengths_on_a_layer_that_mixes_the_items_are_refused(tmp_path
     model, x = Routed(), torch.randn(2, 3, 8, generator=g)
     bank = SlotBank(model, max_loras=1)
     bank.activate([(adapter, [0.0, 1.0])])
-    bank.call_rows = 2
+    bank.strengths.call_rows = 2
     with pytest.raises(ShapingError, match=r"layer 'ff' of Routed takes an input of 6 rows in a model call of 2 "
                                            r"items: it mixes the items"):
         run(model, x)
-    bank.call_rows = 4  # cond and uncond stacked: the chunk layout is the host's to give
+    bank.strengths.call_rows = 4  # cond and uncond stacked: the chunk layout is the host's to give
     with pytest.raises(ShapingError, match="12 rows in a model call of 4 items"):
         run(model, torch.cat([x, x]))
     bank.activate([Entry(adapter, [0.0, 1.0], layer_weights={"ff": 0.0})])
-    bank.call_rows = 2
+    bank.strengths.call_rows = 2
     weighted = run(model, x)
     bank.activate([(adapter, 1.0)])
     shared = run(model, x)
-    bank.call_rows = None
+    bank.strengths.call_rows = None
     bank.activate([Entry(adapter, 1.0, layer_weights={"ff": 0.0})])
     assert (weighted[1] - run(model, x[1:])[0]).abs().max() <= TOL
     bank.deactivate()
@@ -136,7 +136,7 @@ def test_alternating_item_tables_keep_the_layers_rows(adapters):
 
 def test_set_items_lasts_until_the_next_activation_and_follows_the_schedule(adapters):
     from lora_engine import Schedule
-    from lora_engine.strengths import Entry
+    from lora_engine.request import Entry
     a, b = adapters[:2]
     x = lf.tiny_input(batch=2)
     model = lf.tiny()

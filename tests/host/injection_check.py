@@ -104,8 +104,9 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     del other
     gc.collect()
     bank = SlotBank.attached(model.model)
-    result["dropped_clone_keeps_stack"] = prop(bank is not None and bank.active, bank_attached=bank is not None,
-                                               bank_active=bank is not None and bank.active)
+    result["dropped_clone_keeps_stack"] = prop(bank is not None and bank.strengths.active,
+                                               bank_attached=bank is not None,
+                                               bank_active=bank is not None and bank.strengths.active)
 
     copies = bank.copies
     del stacked, stacked_clip  # as ComfyUI drops a changed node's output when the next prompt starts

@@ -213,7 +213,7 @@ class FamilyMasks:
         inputs = dict(self.inputs)
         x = inputs["x"]
         inputs["x"] = torch.randn(*x.shape[:-2], 12, 12)
-        self.SlotBank.attached(self.root).set_tokens(self.tokens.tokens_of(self.root, x))
+        self.SlotBank.attached(self.root).strengths.masks.set_tokens(self.tokens.tokens_of(self.root, x))
         try:
             with torch.inference_mode():
                 self.root.diffusion_model(**inputs)

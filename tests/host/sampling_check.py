@@ -170,7 +170,7 @@ class Run:
 
         def recording(*args, **kwargs):
             bank = SlotBank.attached(model.model)
-            seen.append(None if bank is None else {"active": bank.active,
+            seen.append(None if bank is None else {"active": bank.strengths.active,
                                                    "slots": [a.name for a in bank.slots if a is not None]})
             return original(*args, **kwargs)
 

@@ -84,7 +84,7 @@ def _masked(root):
     def masked() -> bool:
         r = ref()
         bank = SlotBank.attached(r) if r is not None else None
-        return bank is not None and bank.active and bank.masked
+        return bank is not None and bank.strengths.active and bank.masked
     return masked
 
 
