@@ -63,9 +63,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "MultiLoRARows": "Multi-LoRA Loader",
 }
 
-try:
-    from . import routes  # noqa: F401  (registers the routes when a server exists)
+if bridge.prompt_server() is not None:  # none where a script imports ComfyUI's modules and loads the pack in-process
+    from . import routes  # noqa: F401  (registers the routes on the server)
     bridge.watch_prompts(keep_warning.warnings, keep_warning.EVENT)  # a save or merge after a runtime stack
     library.warm_up()  # the picker's first open finds the summaries read
-except (ImportError, AttributeError):
-    routes = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import comfy.model_management
 
@@ -39,9 +40,26 @@ def _count(weights) -> int | list | None:
     return None if weights is None else len(weights)
 
 
+def prompt_server():
+    """ComfyUI's PromptServer where one runs in this process, else None. A script that imports ComfyUI's modules
+    and loads the pack with `nodes.load_custom_node` starts none (tools/comfy_inprocess.py): the pack's routes and
+    prompt watcher are then not registered. Read from the `server` module that ComfyUI's main.py imports before it
+    makes the server and loads the custom nodes, so that asking imports nothing."""
+    server = sys.modules.get("server")
+    return None if server is None else getattr(server.PromptServer, "instance", None)
+
+
+def _running_server():
+    server = prompt_server()
+    if server is None:
+        raise RuntimeError("no ComfyUI server runs in this process; nodes/__init__.py registers the routes and the "
+                           "prompt watcher only where bridge.prompt_server() finds one")
+    return server
+
+
 def server_routes():
-    from server import PromptServer
-    return PromptServer.instance.routes
+    """The route table of the running server (`prompt_server`), which nodes/routes.py adds its routes to."""
+    return _running_server().routes
 
 
 def cells_that_fit(model, samples) -> int:
@@ -55,8 +73,7 @@ def watch_prompts(check, event: str) -> None:
     """Run `check(prompt)` on each prompt queued (ComfyUI's on-prompt hook); each warning it returns (a dict with a
     "message") goes to the server log and, as `event`, to the browser that queued the prompt. A check that fails
     is ComfyUI's to log: the prompt is queued as it was."""
-    from server import PromptServer
-    server = PromptServer.instance
+    server = _running_server()
 
     def on_prompt(json_data):
         prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
