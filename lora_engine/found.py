@@ -26,6 +26,33 @@ from .regions import Region, blur
 BACKGROUNDS = ("off", "at strength")  # where no entry takes a token: the entries' LoRAs off, or at their strengths
 
 
+class PromptLengthError(ShapingError):
+    """The model reads a text of `read` tokens, no whole multiple of the `given` tokens of the prompt the finder was
+    given (tokenized by `encoder`): that prompt is not the one sampled. A host says it in its own terms (the
+    pack's bridge names the node that took the prompt) from these fields."""
+
+    read: int
+    given: int
+    encoder: str
+
+    @classmethod
+    def of(cls, read: int, given: int, encoder: str) -> PromptLengthError:
+        e = cls(f"the model reads a text of {read} tokens, but the prompt given to the finder has {given} "
+                f"({encoder}): the words are not where it looks for them",
+                remedy="give the finder the positive prompt's own text")
+        e.read, e.given, e.encoder = read, given, encoder
+        return e
+
+
+class NothingRecordedError(ShapingError):
+    """`find` before any attention call was recorded: no call of the model read the prompt's text."""
+
+    @classmethod
+    def of(cls) -> NothingRecordedError:
+        return cls("the finder recorded no attention before find_until: no attention call of the model read the "
+                   "prompt's text", remedy="check that the prompt is the positive conditioning's, or paint the masks")
+
+
 @dataclass(frozen=True, eq=False)
 class Subject:
     """One entry whose region is sought: its name, and the positions of its words among the prompt's text tokens,
@@ -100,15 +127,13 @@ class Finder:
         """Add one attention call: `q` [items, heads, grid tokens, d] the image tokens' queries (row-major on `grid`),
         `k` [items, heads, text tokens, d] the text tokens' keys of `encoder`, whose count is the prompt's or a
         whole multiple of it (ComfyUI repeats a context to batch it with a longer one). A `ShapingError` for a text
-        of another length: the prompt given is not the one sampled."""
+        of another length: the prompt given is not the one sampled (`PromptLengthError`)."""
         items, heads, n_image, _ = q.shape
         n_text, length = k.shape[2], self.tokens[encoder]
         if n_image != grid[0] * grid[1]:
             raise ShapingError(f"an attention call has {n_image} image tokens for a grid of {grid[0]}×{grid[1]}")
         if n_text % length:
-            raise ShapingError(f"the model reads a text of {n_text} tokens, but the prompt given to LoRAAutoRegions "
-                               f"has {length} ({encoder}): the words are not where it looks for them",
-                               remedy="give LoRAAutoRegions the positive prompt's own text")
+            raise PromptLengthError.of(n_text, length, encoder)
         copies = n_text // length
         index = [torch.tensor([p + j * length for j in range(copies) for p in s.words[encoder]], device=q.device)
                  for s in self.subjects]
@@ -127,11 +152,10 @@ class Finder:
         self.calls += 1
 
     def find(self) -> torch.Tensor:
-        """The regions from what was recorded, kept in `found`: [subjects, items, h, w] of 0 and 1."""
+        """The regions from what was recorded, kept in `found`: [subjects, items, h, w] of 0 and 1
+        (`NothingRecordedError` where nothing was)."""
         if self.sums is None:
-            raise ShapingError("LoRAAutoRegions recorded no attention before find_until: no attention call of the "
-                               "model read the prompt's text", remedy="check that the prompt is the positive "
-                                                                      "conditioning's, or paint the masks")
+            raise NothingRecordedError.of()
         m = self.sums
         if self.smooth > 0:
             m = blur(m.reshape(-1, 1, *m.shape[-2:]), self.smooth).reshape(m.shape)

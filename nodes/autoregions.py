@@ -214,7 +214,7 @@ class LoRAFoundRegions:
             try:
                 finder.find()  # recorded to the end (find_until 1), found now
             except ShapingError as e:
-                raise ValueError(f"{e}; sample the stack's model first") from None
+                raise ValueError(f"{bridge.for_node(e)}; sample the stack's model first") from None
         masks = torch.cat([finder.found[s.index] for _, s in placed])
         return (F.interpolate(masks.unsqueeze(1), scale_factor=SCALE, mode="nearest").squeeze(1),)
 
