@@ -81,10 +81,11 @@ class ModelCallWrapper:
     from the call's sigma. With masks, it tells the bank where the call's tokens lie (`tokens`). With per-item
     strengths (a LoRAStrengthGrid batch of `items` cells), it checks that each condition's chunk of the call's batch
     has that many items: a latent of another batch would otherwise spread the cells over the cond and uncond chunks
-    instead, and sample wrong images without an error. The call's batch is told to the bank for the call's duration
-    (`Strengths.call_rows`): a layer whose input has other rows (HiDream's routed experts) then refuses per-item
-    strengths instead of giving them to other items' tokens. With regions to find (`found.Finding`), it marks the
-    calls before find_until for recording, and puts the regions on the bank at find_until."""
+    instead, and sample wrong images without an error (`grid_batch_refusal` says what split the batch). The call's
+    batch is told to the bank for the call's duration (`Strengths.call_rows`): a layer whose input has other rows
+    (HiDream's routed experts) then refuses per-item strengths instead of giving them to other items' tokens. With
+    regions to find (`found.Finding`), it marks the calls before find_until for recording, and puts the regions on
+    the bank at find_until."""
 
     def __init__(self, scheduled: bool = True, items: int = 0, finding: Finding | None = None):
         self.scheduled = scheduled
@@ -97,9 +98,7 @@ class ModelCallWrapper:
         transformer_options = {} if transformer_options is None else transformer_options
         chunks = len(transformer_options.get("cond_or_uncond") or ())
         if self.items and chunks and x.shape[0] != self.items * chunks:
-            raise GridError(f"this model holds per-item LoRA strengths for {self.items} grid cells, but it is "
-                            f"sampled with {x.shape[0] // chunks} latent item(s) per condition; connect the latent "
-                            "output of the same LoRAStrengthGrid to the sampler")
+            raise GridError(grid_batch_refusal(self.items, x.shape[0] // chunks, transformer_options))
         strengths = kwargs.pop(cond_strengths.KEY, None)
         root = executor.class_obj
         bank = SlotBank.attached(root)
@@ -123,6 +122,28 @@ class ModelCallWrapper:
         finally:
             if bank is not None:
                 bank.strengths.call_rows = None
+
+
+def grid_batch_refusal(items: int, called: int, transformer_options: dict) -> str:
+    """Why a LoRAStrengthGrid model of `items` cells is called with `called` latent items per condition, and what to
+    do. ComfyUI's context windows over the batch (dim 0) leave their window in the call's transformer_options, with
+    the batch they split; anything else shows only as the count: another latent given to the sampler, or a node
+    that calls the model on part of the batch."""
+    said = (f"this model holds per-item LoRA strengths for {items} grid cells, but it is called with {called} "
+            f"latent item(s) per condition")
+    window = transformer_options.get("context_window")
+    if window is not None and getattr(window, "dim", None) == 0 and len(getattr(window, "index_list", ())) == called:
+        total = getattr(window, "total_frames", items)
+        other = "" if total == items else (f"; the sampled latent has {total} item(s) besides: connect the latent "
+                                           "output of the same LoRAStrengthGrid to the sampler")
+        return (f"{said}: context windows over the batch (a Context Windows node on the model, with dim 0) split "
+                f"the sampled batch of {total} into windows of {called}, and a grid's cells are its batch; take the "
+                f"Context Windows node off the grid's model, or set its context_length to {items} or more{other}")
+    changed = "split it (one that samples a batch in parts)" if called < items else "repeated it"
+    return (f"{said}: the sampler was given a latent of another batch than the grid's, or a node between the "
+            f"sampler and the model {changed}; connect the latent output of the same LoRAStrengthGrid to the "
+            f"sampler, with no node between them that changes its batch, and sample the grid's model without a node "
+            f"that calls it on part of the batch")
 
 
 class PrepareSampling:
