@@ -3,24 +3,48 @@
  * user's data (presets.js), read and written through ComfyUI's `/userdata` API with the frontend's `api`: no route
  * of the pack's own. The list of presets is read when the page opens and after each save, and again each time a
  * menu opens, for the next one.
+ *
+ * ComfyUI answers the listing of a folder that does not exist (`GET /userdata?dir=`) with 404, which the browser
+ * logs as a failed request, each time: until a user saves the first preset, the folder is not there. So until the
+ * folder is seen, the list is read from the tree of the user's data (`GET /v2/userdata`, which answers [] where
+ * nothing is stored yet), and the folder's own listing is asked for only once the tree or a save shows it there.
  */
 
-import { PRESET_DIR, presetName, presetNames, presetOf, presetPath, rowsOfPreset } from './presets.js'
+import { PRESET_DIR, presetName, presetNames, presetOf, presetPath, presetsInTree, rowsOfPreset } from './presets.js'
 
 export class PresetMenu {
   /** services: {api, dialog() (the frontend's dialog service, or null), toast(severity, summary, detail)} */
   constructor(services) {
     this.services = services
     this.names = []
+    this.folder = false // PRESET_DIR was seen: its own listing is asked for, not the whole tree
   }
 
   async refresh() {
     try {
-      this.names = presetNames(await this.services.api.listUserDataFullInfo(PRESET_DIR))
+      this.names = this.folder ? await this.listFolder() : await this.findFolder()
     } catch {
-      this.names = [] // no folder yet (the frontend answers [] for a 404), or the server is away
+      this.names = [] // the server is away
     }
     return this.names
+  }
+
+  /** The presets from the folder's listing. None (the folder emptied or removed since) sends the next read to the
+   * tree, so that a removed folder costs one failed request, not one a menu. */
+  async listFolder() {
+    const names = presetNames(await this.services.api.listUserDataFullInfo(PRESET_DIR))
+    if (!names.length) this.folder = false
+    return names
+  }
+
+  /** The presets from the tree of the user's data, noting whether the folder is there. A server without the tree's
+   * route is asked for the folder, as before it had one. */
+  async findFolder() {
+    const res = await this.services.api.fetchApi('/v2/userdata', { cache: 'no-store' })
+    if (!res.ok) return presetNames(await this.services.api.listUserDataFullInfo(PRESET_DIR))
+    const { folder, names } = presetsInTree(await res.json())
+    this.folder = folder
+    return names
   }
 
   /** The menu entries for the rows node whose controller is `rows`. */
@@ -69,6 +93,7 @@ export class PresetMenu {
       this.services.toast('error', 'Preset not saved', String(e?.message ?? e))
       return
     }
+    this.folder = true // the save made it
     await this.refresh()
     this.services.toast('info', 'Preset saved', `${name}: ${entries.length} LoRA${entries.length === 1 ? '' : 's'}`)
   }

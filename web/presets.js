@@ -33,6 +33,17 @@ export function presetNames(files) {
     .sort((a, b) => a.localeCompare(b))
 }
 
+/** From a `GET /v2/userdata` answer (every folder and file of the user's data, each `path` from its root, `type`
+ * 'directory' or 'file'): whether PRESET_DIR is there, and the names of the presets in it, sorted. */
+export function presetsInTree(entries) {
+  const list = Array.isArray(entries) ? entries : []
+  const inside = `${PRESET_DIR}/`
+  const files = list
+    .filter((e) => e?.type === 'file' && String(e.path ?? '').startsWith(inside))
+    .map((e) => String(e.path).slice(inside.length))
+  return { folder: list.some((e) => e?.type === 'directory' && e.path === PRESET_DIR), names: presetNames(files) }
+}
+
 /** The preset of `rows`: the rows that name a LoRA; in single-strength mode the clip takes the model strength. */
 export function presetOf(rows, singleStrength) {
   return rows
