@@ -83,7 +83,8 @@ class Browser:
         """The bridge and its Chromium, on a fresh profile; a blank page."""
         self.viewport = tuple(viewport or self.viewport)
         self.profile = Path(tempfile.mkdtemp(prefix="multilora-chromium-"))
-        self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115  (open while the bridge runs)
+        # A new log for the session's first bridge; the bridges started after a hang add to it.
+        self._log = open(self.log_path, "a" if self.generation else "w", encoding="utf-8")  # noqa: SIM115
         self._log.write(f"===== bridge start {self.generation + 1}" + (f" after {self.stopped}" if self.stopped else "")
                         + "\n")
         self._log.flush()
