@@ -78,8 +78,8 @@ RANK = 32
 # -- ComfyUI in-process ------------------------------------------------------------------------------
 
 from machine import machine_line  # noqa: E402  (bench/ is on sys.path when a script runs)
-from tools.comfy_inprocess import (build_flux, find_comfy, flux_lora_targets, flux_lora_tensors, import_bridge,
-                                   import_comfy, import_engine)
+from tools.comfy_inprocess import (build_flux, entry_of, find_comfy, flux_lora_targets, flux_lora_tensors,
+                                   import_bridge, import_comfy, import_engine)
 
 # -- model and LoRAs ---------------------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ def main() -> int:
             reset()
 
             def ours_clone(strength_last):
-                stack = [bridge.StackEntry(a, s, 0.0) for a, s in zip(adapters[:k], ones[:-1] + [strength_last])]
+                stack = [entry_of(a, s, 0.0) for a, s in zip(adapters[:k], ones[:-1] + [strength_last])]
                 return bridge.apply_stack(base, None, stack, k)[0]
 
             held = [ours_clone(1.0)]

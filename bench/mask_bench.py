@@ -59,7 +59,7 @@ class Bench:
         self.nodes = {"stack": import_node_module("stack").LoRAStack, "loader": import_node_module("loader")
                       .MultiLoRALoader, "mask": import_node_module("masks").LoRAStackMask,
                       "cond": import_node_module("conditioning").LoRAConditioningStrengths,
-                      "entries": import_node_module("stack")}
+                      "entries": import_engine("stack.entry")}
         self.found = import_engine("found")
         self.calls: list[int] = []
         self.rows: list[dict] = []

@@ -1,6 +1,8 @@
 """ComfyUI nodes of the pack. Importing this package imports ComfyUI."""
 
-from . import bridge, keep_warning, library
+from ..lora_engine.stack import keep_warning
+
+from . import bridge, library
 from .as_patches import LoRAStackAsPatches
 from .autoregions import LoRAAutoRegions, LoRAFoundRegions
 from .composite import LoRACompositeConditioning

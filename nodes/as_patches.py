@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from ..lora_engine.stack.entry import StackError, entries
+
 from . import bridge
 from .loader import MultiLoRALoader
-from .stack import CATEGORY, StackError, entries
+from .stack import CATEGORY
 
 
 class LoRAStackAsPatches:
@@ -44,4 +46,4 @@ class LoRAStackAsPatches:
         if not items:
             return (model, clip)
         adapters = bridge.load_loras([e.name for e in items])
-        return bridge.as_patches(model, clip, [e.loaded(a) for e, a in zip(items, adapters)])
+        return bridge.as_patches(model, clip, list(zip(adapters, items)))

@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from ..lora_engine.errors import LoRAError, ShapingError
-from ..lora_engine.found import BACKGROUNDS, Finder, Sought, Subject
+from ..lora_engine.found import BACKGROUNDS, Finder, Subject
+from ..lora_engine.stack.entry import StackError, as_stack, entries
 
 from . import bridge
 from .shaping import ENTRY, ShapesEntry, entry_index
-from .stack import CATEGORY, StackError, as_stack, entries
+from .stack import CATEGORY
 from .triggers import sidecar_words, trigger_words
 
 SCALE = 8  # image pixels per latent pixel, for the MASK output (the VAE of SD1.x, SDXL, Flux)
@@ -154,7 +155,7 @@ class LoRAAutoRegions(ShapesEntry):
     def _subject(clip, prompt, item, adapter, phrases, named: bool) -> Subject | None:
         """The entry's subject: its words, or its trigger words. Without `subjects` (every entry by its trigger
         words), an entry with a mask, or none of whose trigger words is in the prompt, is left unplaced (None)."""
-        if item.region is not None:
+        if item.shaping.region is not None:
             if not named:
                 return None
             raise ShapingError(f"{item.name} has a mask already", remedy="take LoRAStackMask or the other "
@@ -200,7 +201,7 @@ class LoRAFoundRegions:
             items = entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        placed = [(i, e.region) for i, e in enumerate(items) if isinstance(e.region, Sought)]
+        placed = [(i, e.shaping.sought) for i, e in enumerate(items) if e.shaping.sought is not None]
         if not placed:
             raise ValueError("the stack has no entry whose region LoRAAutoRegions finds; connect LoRAAutoRegions' "
                              "output")

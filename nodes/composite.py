@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from ..lora_engine.stack.cond_strengths import Named, carrying
+from ..lora_engine.stack.entry import StackError
+from ..lora_engine.stack.entry import entries as stack_entries
+
 from . import bridge
-from .cond_strengths import Named, carrying
 from .shaping import entry_list
-from .stack import CATEGORY, StackError
-from .stack import entries as stack_entries
+from .stack import CATEGORY
 
 
 class LoRACompositeConditioning:

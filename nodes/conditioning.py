@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from ..lora_engine.stack.cond_strengths import Named, carrying
+from ..lora_engine.stack.entry import StackError, entries
+
 from . import bridge
-from .cond_strengths import Named, carrying
-from .stack import CATEGORY, StackError, entries
+from .stack import CATEGORY
 
 OTHERS = ("keep", "off")
 
@@ -45,7 +47,7 @@ class LoRAConditioningStrengths:
             items = entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        shaped = [e.name for e in items if e.shaped]
+        shaped = [e.name for e in items if e.shaping.shaped]
         if shaped:
             raise ValueError(f"{', '.join(shaped)}: a schedule or block weights on a conditioning's stack is not "
                              "used; put it on the entry of the model's stack (it shapes the strength set here too)")

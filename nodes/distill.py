@@ -28,9 +28,10 @@ import threading
 
 from ..lora_engine import FuseError, LoRAFileError, fuse, ledger_of, read_header
 from ..lora_engine.adapter import file_fingerprint
+from ..lora_engine.stack.entry import finite_strength, is_strength
 
 from . import bridge
-from .stack import CATEGORY, STRENGTH, finite_strength, is_strength
+from .stack import CATEGORY, STRENGTH
 
 log = logging.getLogger("multilora")
 

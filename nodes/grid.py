@@ -11,6 +11,7 @@ import functools
 import math
 import re
 import unicodedata
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,9 +19,10 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..lora_engine.errors import shown
 from ..lora_engine.grid import GridError, build
+from ..lora_engine.stack.entry import StackError, entries
 
 from . import bridge
-from .stack import CATEGORY, StackError, entries
+from .stack import CATEGORY
 
 AXES = ("x", "y", "z")
 
@@ -114,12 +116,13 @@ class LoRAStrengthGrid:
         per_batch = min(max_batch, bridge.cells_that_fit(model, samples))
         models, latents = [], []
         new_clip = clip
-        own_schedules, own_blocks = [e.schedule for e in items], [e.blocks for e in items]
+        own_schedules, own_blocks = [e.shaping.schedule for e in items], [e.shaping.blocks for e in items]
         for start, stop in spec.chunks(per_batch):
             table = spec.table(start, stop)
             schedules = spec.shaped_table(start, stop, "schedule", own_schedules)
             blocks = spec.shaped_table(start, stop, "blocks", own_blocks)
-            stack = [bridge.StackEntry(a, strength, e.strength_clip, s, b, own, e.region)
+            stack = [(a, replace(e, strength_model=tuple(strength),
+                                 shaping=replace(e.shaping, schedule=s, blocks=b, clip_blocks=own)))
                      for a, e, strength, s, b, own in zip(adapters, items, table, schedules, blocks, own_blocks)]
             m, c = bridge.apply_stack(model, clip, stack)
             models.append(m)

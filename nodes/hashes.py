@@ -24,9 +24,10 @@ import os
 from collections.abc import Iterable
 
 from ..lora_engine.hashes import autov2, default_hashes
+from ..lora_engine.stack.entry import Entry, StackError, entries
 
 from . import bridge
-from .stack import CATEGORY, Entry, StackError, entries
+from .stack import CATEGORY
 
 PROGRESS_BYTES = 64 << 20  # hashing this many bytes or more shows a progress bar
 SEPARATORS = str.maketrans("", "", ":,")

@@ -34,9 +34,9 @@ import time
 from collections import defaultdict
 
 from ..lora_engine import LoRAError, LoRAFileError, read_header
+from ..lora_engine.stack.lora_info import describe
 from . import bridge
 from . import triggers
-from .lora_info import describe
 
 # The images that LoRA Manager, Civitai Helper and pysssss put beside `<stem>.safetensors`, in the order looked for.
 PREVIEW_SUFFIXES = (".preview.png", ".preview.jpg", ".preview.jpeg", ".preview.webp", ".png")

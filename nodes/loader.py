@@ -5,9 +5,10 @@ from __future__ import annotations
 import numbers
 
 from ..lora_engine.errors import shown
+from ..lora_engine.stack.entry import StackError, entries
 
 from . import bridge
-from .stack import CATEGORY, StackError, entries
+from .stack import CATEGORY
 
 
 class MultiLoRALoader:
@@ -46,8 +47,8 @@ class MultiLoRALoader:
 
     @staticmethod
     def applied(model, lora_stack, clip=None, max_loras=0):
-        """(model, clip, the stack's entries as loaded): `apply`'s work, and the adapters it took from the cache, so
-        that a node built on it (MultiLoRARows) reads no file again."""
+        """(model, clip, the stack's (adapter, entry) pairs): `apply`'s work, and the adapters it took from the cache,
+        so that a node built on it (MultiLoRARows) reads no file again."""
         # A linked value skips ComfyUI's range check: 10**6 slots would ask for terabytes.
         if isinstance(max_loras, bool) or not isinstance(max_loras, numbers.Integral) or not 0 <= max_loras <= 64:
             raise ValueError(f"max_loras of MultiLoRALoader must be a whole number from 0 to 64 (0: as many slots "
@@ -59,6 +60,6 @@ class MultiLoRALoader:
         if not items:
             return (model, clip, [])
         adapters = bridge.load_loras([e.name for e in items])
-        loaded = [e.loaded(a) for e, a in zip(items, adapters)]
+        loaded = list(zip(adapters, items))
         new_model, new_clip = bridge.apply_stack(model, clip, loaded, max_loras)
         return (new_model, new_clip, loaded)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..lora_engine.errors import LoRAError
 from ..lora_engine.regions import Region
+from ..lora_engine.stack.entry import StackError, as_stack, entries, last_left_out
 
 from . import bridge
 from .shaping import ENTRY, ShapesEntry, entry_index
-from .stack import StackError, as_stack, entries, last_left_out
 
 
 class LoRAStackMask(ShapesEntry):

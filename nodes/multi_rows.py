@@ -34,13 +34,14 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ..lora_engine.errors import shown
+from ..lora_engine.stack.entry import NONE, Entry, StackError, as_stack, entries, is_blank
+from ..lora_engine.stack.pairs import AUTO, TARGETS, Pair, PairError, pair_of
 
 from . import bridge
 from .hashes import lora_hashes
 from .loader import MultiLoRALoader
-from .pairs import AUTO, TARGETS, Pair, PairError, pair_of
 from .rows import MAX_ROWS, LoRAStackRows, named_rows, row_entries, row_entry, row_inputs, switched_rows
-from .stack import CATEGORY, NONE, Entry, StackError, as_stack, entries, is_blank
+from .stack import CATEGORY
 from .triggers import sidecar_state, trigger_text
 
 
@@ -172,9 +173,9 @@ class MultiLoRARows:
         new_low, loaded_low = None, []
         if model_low is not None:
             new_low, _, loaded_low = MultiLoRALoader.applied(model_low, as_stack(low), None, max_loras)
-        words = trigger_text([e.adapter for e in loaded if e.strength_model != 0 or (clip is not None
-                                                                             and e.strength_clip != 0)]
-                             + [e.adapter for e in loaded_low if e.strength_model != 0])
+        words = trigger_text([a for a, e in loaded if e.strength_model != 0 or (clip is not None
+                                                                           and e.strength_clip != 0)]
+                             + [a for a, e in loaded_low if e.strength_model != 0])
         hashes = lora_hashes(entries(stack) + [replace(e, strength_clip=0.0) for e in low], clip is not None)
         return (new_model, new_clip, stack, words, hashes, new_low)
 

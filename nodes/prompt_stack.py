@@ -7,9 +7,11 @@ them, so the stack equals one that LoRAStack or LoRAStackRows would build for th
 
 from __future__ import annotations
 
+from ..lora_engine.stack.entry import Entry, StackError, as_stack, entries, strength_error
+from ..lora_engine.stack.prompt_tags import TagError, find_tags, resolve_name, strip_tags
+
 from . import bridge
-from .prompt_tags import TagError, find_tags, resolve_name, strip_tags
-from .stack import CATEGORY, Entry, StackError, as_stack, entries, strength_error
+from .stack import CATEGORY
 
 
 def prompt_entries(text: str, files: list[str]) -> list[Entry]:

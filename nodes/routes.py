@@ -12,13 +12,13 @@ from aiohttp import web
 from ..lora_engine import LoRAError, all_banks, default_cache, occupancies, read_header
 from ..lora_engine.hashes import default_hashes
 from ..lora_engine.layer import hooked_layers
+from ..lora_engine.stack.lora_info import describe as describe_lora
+from ..lora_engine.stack.pairs import pair_info
 
 from . import bridge
 from .distill import fusion_log
 from .library import LIBRARY, MAX_PREVIEW, PreviewError
 from .library import etag as library_etag
-from .lora_info import describe as describe_lora
-from .pairs import pair_info
 
 
 def status() -> dict:

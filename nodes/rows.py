@@ -21,19 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..lora_engine.errors import shown
+from ..lora_engine.stack.entry import NONE, Entry, StackError, as_stack, entries, is_blank, strength_error
 
 from . import bridge
-from .stack import (
-    CATEGORY,
-    NONE,
-    STRENGTH,
-    Entry,
-    StackError,
-    as_stack,
-    entries,
-    is_blank,
-    strength_error,
-)
+from .stack import CATEGORY, STRENGTH
 
 MAX_ROWS = 64  # one row per slot: the most slots a loader holds
 FIELDS = ("enabled", "lora", "strength_model", "strength_clip")

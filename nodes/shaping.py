@@ -11,9 +11,10 @@ from ..lora_engine.blocks import BlockWeights
 from ..lora_engine.errors import ShapingError, shown
 from ..lora_engine.grid import GridError, find_entry
 from ..lora_engine.schedule import MODES, Product, Schedule, Switch
+from ..lora_engine.stack.entry import StackError, as_stack, entries, is_strength, last_left_out
 
 from . import bridge
-from .stack import CATEGORY, StackError, as_stack, entries, is_strength, last_left_out
+from .stack import CATEGORY
 
 ENTRY = ("STRING", {"default": "", "tooltip": "The stack entry to shape: its file name, its name without "
                     "extension, or its position (#1 is the first). Empty: the last entry, the one just added; "
@@ -172,7 +173,7 @@ class LoRASwitchSchedule(ShapesEntry):
         turns = entry_list(items, order, "order", "a switch rotates")
         for position, i in enumerate(turns):
             turn = Switch(position, len(turns), every)
-            own = items[i].schedule
+            own = items[i].shaping.schedule
             items[i] = items[i].with_shaping(schedule=turn if own is None else Product(own, turn))
         return (as_stack(items),)
 

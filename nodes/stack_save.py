@@ -5,9 +5,10 @@ from __future__ import annotations
 import numbers
 
 from ..lora_engine.errors import shown
+from ..lora_engine.stack.entry import StackError, entries
 
 from . import bridge
-from .stack import CATEGORY, StackError, entries
+from .stack import CATEGORY
 
 PRECISIONS = list(bridge.SAVE_DTYPES)
 
@@ -75,6 +76,6 @@ class LoRAStackSave:
         # A bad name is refused before any LoRA is read (an existing file once they are, unless it holds this save).
         bridge.save_target(filename, "loras", True, bridge.resolve("loras", items[0].name))
         adapters = bridge.load_loras([e.name for e in items])
-        stack = [e.loaded(a) for e, a in zip(items, adapters)]
+        stack = list(zip(adapters, items))
         _, text, _ = bridge.save_stack(model, clip, stack, filename, int(rank), bool(overwrite), precision)
         return {"ui": {"text": [text]}, "result": (text,)}

@@ -22,8 +22,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 
 from ..lora_engine import Adapter, LoRAError
+from ..lora_engine.stack.lora_info import MAX_TRIGGERS, tag_counts
 from . import bridge
-from .lora_info import MAX_TRIGGERS, tag_counts
 
 MAX_SIDECAR = 4 << 20  # bytes; Civitai's .info files are a few KB
 

@@ -122,6 +122,14 @@ def import_engine(name: str = ""):
     return importlib.import_module(f"{import_pack().__name__}.lora_engine" + (f".{name}" if name else ""))
 
 
+def entry_of(adapter, strength_model, strength_clip, schedule=None, blocks=None, region=None):
+    """One LoRA of a stack as `bridge.apply_stack` takes it: (adapter, the pack's stack entry) with these strengths
+    (a list: one model strength per batch item) and this shaping (`lora_engine/stack/shaping.py`)."""
+    stack, shaping = import_engine("stack.entry"), import_engine("stack.shaping")
+    strength = tuple(strength_model) if isinstance(strength_model, list) else strength_model
+    return adapter, stack.Entry(adapter.name, strength, strength_clip, shaping.Shaping(schedule, blocks, region=region))
+
+
 def build_model(comfy, torch, unet_config: dict, *, dtype, device, expect: str | None = None,
                 resize: dict | None = None, seed: int = 0, std: float = 0.02, buffers: tuple[str, ...] = ()):
     """A `ModelPatcher` around ComfyUI's model for `unet_config`, with random weights.

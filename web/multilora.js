@@ -171,7 +171,7 @@ app.registerExtension({
       if (e.detail?.exec_info?.queue_remaining === 0) refreshStatus()
     })
     // multilora.warning: a queued prompt saves or merges a model whose stack runs at sampling time only
-    // (nodes/keep_warning.py); the server logs it too.
+    // (lora_engine/stack/keep_warning.py); the server logs it too.
     api.addEventListener('multilora.warning', (e) => {
       toast('warn', 'Multi-LoRA: the LoRAs are not in these weights', e.detail?.message ?? '')
     })

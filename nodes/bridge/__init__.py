@@ -20,7 +20,7 @@ The nodes call it as one module, `bridge.apply_stack(...)`; the names below are 
 
 from __future__ import annotations
 
-from .apply import StackEntry, apply_stack
+from .apply import Loaded, apply_stack
 from .bake import (
     SAFETENSORS,
     bake,
@@ -43,7 +43,7 @@ from .save import DTYPES as SAVE_DTYPES, save_stack, save_target
 from .status import cells_that_fit, loaded_models, prompt_server, server_routes, watch_prompts
 
 __all__ = [
-    "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "StackEntry", "applied", "apply_stack", "as_patches", "bake",
+    "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "Loaded", "applied", "apply_stack", "as_patches", "bake",
     "bake_path", "bake_target", "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames",
     "folder_roots", "for_node", "host_errors", "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names",
     "progress", "prompt_server", "reaches_model", "refuse_quantized", "reports", "resolve", "save_stack", "save_target",

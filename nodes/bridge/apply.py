@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import comfy.patcher_extension
 
@@ -12,9 +11,9 @@ from ...lora_engine.binding import no_match
 from ...lora_engine.blocks import BlockWeights, layer_weights, layout
 from ...lora_engine.errors import ShapingError
 from ...lora_engine.found import Sought
-from ...lora_engine.regions import Region
 from ...lora_engine.request import Entry, Request
-from ...lora_engine.schedule import Schedule
+from ...lora_engine.stack.entry import Entry as StackEntry
+from ...lora_engine.stack.shaping import seeking
 
 from .found import Finding, install
 from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use
@@ -24,28 +23,7 @@ from .sampling import ModelCallWrapper, PrepareSampling, cell_noise
 WRAPPER_KEY = "multilora"
 
 
-def _strength(value) -> float | tuple[float, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(float(v) for v in value)
-    return float(value)
-
-
-@dataclass(frozen=True)
-class StackEntry:
-    """One LoRA of a stack as a node gives it to `apply_stack`: the adapter; its model strength, one number or one
-    per batch item (a grid's cells; a list or tuple); its CLIP strength; its schedule and block weights, each one
-    value or one per batch item (a tuple); its mask (`region`, the diffusion model's alone: a `Region`, or a `Sought`
-    one that LoRAAutoRegions finds as the model samples). Where the block
-    weights are one per item (a grid axis varies them), the BASE of `clip_blocks`, the entry's own, scales its CLIP
-    strength."""
-
-    adapter: Adapter
-    strength_model: float | Sequence[float]
-    strength_clip: float
-    schedule: Schedule | tuple[Schedule | None, ...] | None = None
-    blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
-    clip_blocks: BlockWeights | None = None
-    region: Region | Sought | None = None
+Loaded = tuple[Adapter, StackEntry]  # one LoRA of a stack as a node gives it: its adapter, and its entry
 
 
 def model_blocks(root) -> list:
@@ -67,52 +45,30 @@ def resolve_blocks(adapter: Adapter, spec: BlockWeights, root, binding) -> tuple
     return base, layer_weights(layers, base, per_block)
 
 
-def fixed_strengths(entry: StackEntry, unet_root, holds: str, remedy: str):
+def fixed_strengths(adapter: Adapter, entry: StackEntry, unet_root, holds: str, remedy: str):
     """(the entry's binding to the diffusion model or None, layer name → model strength, the CLIP strength) where
     each layer holds one strength (weight patches, a saved file): block weights folded into the layers' strengths,
-    their BASE into the CLIP strength. A schedule or one strength per batch item is a `ShapingError` that says
-    what `holds` and gives `remedy`."""
-    adapter = entry.adapter
-    if entry.schedule is not None:
-        raise ShapingError(f"{adapter.name} has a strength schedule, which moves its strength over the sampling "
-                           f"steps; {holds}", path=adapter.path, remedy=remedy)
-    if entry.region is not None:
-        raise ShapingError(f"{adapter.name} has a mask, which gives it a strength per token at sampling; {holds}",
-                           path=adapter.path, remedy="take LoRAStackMask or LoRAAutoRegions off this entry, or "
-                                                     "sample the stack through MultiLoRALoader, which applies masks")
-    if isinstance(entry.strength_model, (list, tuple)) or isinstance(entry.blocks, tuple):
-        raise ShapingError(f"{adapter.name} has one strength per batch item (a grid's cells); {holds}",
-                           path=adapter.path, remedy="give the entry one strength")
+    their BASE into the CLIP strength. What needs the runtime is refused by the entry (`Entry.refuse_fixed`), with
+    what `holds` and `remedy`."""
+    entry.refuse_fixed(adapter.path, holds, remedy)
     on_model = binding_of(adapter, unet_root, "unet")
-    base, weights = 1.0, {}
-    if entry.blocks is not None:
-        base, weights = resolve_blocks(adapter, entry.blocks, unet_root, on_model)
+    base, weights = entry.shaping.fixed_blocks(resolver(adapter, unet_root, on_model))
     strength = float(entry.strength_model)
     by_layer = {name: strength * weights.get(name, 1.0) for name in (on_model.plans if on_model else ())}
     return on_model, by_layer, float(entry.strength_clip) * base
 
 
-def _model_shaping(entry: StackEntry, root, binding):
-    """The engine's schedule and layer weights for one entry, and the BASE multiplier for its CLIP."""
-    adapter, blocks = entry.adapter, entry.blocks
-    if blocks is None:
-        return entry.schedule, None, 1.0
-    if isinstance(blocks, tuple):
-        resolved = [None if b is None else resolve_blocks(adapter, b, root, binding) for b in blocks]
-        own = entry.clip_blocks
-        base = 1.0 if own is None else resolve_blocks(adapter, own, root, binding)[0]
-        return entry.schedule, tuple(None if r is None else r[1] for r in resolved), base
-    base, weights = resolve_blocks(adapter, blocks, root, binding)
-    return entry.schedule, weights, base
+def resolver(adapter: Adapter, root, binding):
+    """Block weights → (BASE, layer name → multiplier) for this adapter on this model (`resolve_blocks`)."""
+    return lambda spec: resolve_blocks(adapter, spec, root, binding)
 
 
-def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
-    """The MODEL and CLIP clones for one stack. A model strength may be one value per batch item (the CLIP's
-    per-item strengths are not supported). The text encoder gets an entry's BASE block weight as a factor on its
-    strength, and no schedule. A LoRA in the stack more than once takes one slot, at the sum of its strengths;
-    `max_loras` 0 sizes the slots to the stack's distinct LoRAs. Raises before returning anything on any bad
-    entry."""
-    distinct = {id(e.adapter): e.adapter for e in stack}
+def apply_stack(model, clip, stack: Sequence[Loaded], max_loras: int = 0):
+    """The MODEL and CLIP clones for one stack of (adapter, entry). A model strength may be one value per batch item
+    (the CLIP's per-item strengths are not supported). The text encoder gets an entry's BASE block weight as a factor on
+    its strength, and no schedule. A LoRA in the stack more than once takes one slot, at the sum of its strengths;
+    `max_loras` 0 sizes the slots to the stack's distinct LoRAs. Raises before returning anything on any bad entry."""
+    distinct = {id(adapter): adapter for adapter, _ in stack}
     if max_loras and len(distinct) > max_loras:
         names = ", ".join(a.name for a in distinct.values())
         raise SlotLimitError(f"the stack has {len(distinct)} LoRAs ({names}) but max_loras is {max_loras}",
@@ -122,8 +78,7 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
     clip_root = clip.cond_stage_model if clip is not None else None
     model_entries, clip_entries, sought = [], [], []
     roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
-    for entry in stack:
-        adapter = entry.adapter
+    for adapter, entry in stack:
         on_model = binding_of(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
         on_clip = binding_of(adapter, clip_root, "clip") if clip_root is not None else None
         unbound = [r for r, b in zip(roots, (on_model, on_clip)) if b is None]
@@ -133,14 +88,13 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
                            sorted(unhookable_keys(adapter.layers, roots)))
         log_once(adapter, unet_root, match_report(adapter, on_model, on_clip, clip_root is not None, unbound))
         warn_fused(adapter, unet_root, entry.strength_model)
-        schedule, weights, base = _model_shaping(entry, unet_root, on_model)
+        on_unet, on_text = entry.to_engine(adapter, resolver(adapter, unet_root, on_model))
         if on_model is not None:
-            region = entry.region if isinstance(entry.region, Region) else None
-            model_entries.append(Entry(adapter, _strength(entry.strength_model), schedule, weights, region))
-            if isinstance(entry.region, Sought):
-                sought.append((adapter, entry.region))
+            model_entries.append(on_unet)
+            if entry.shaping.sought is not None:
+                sought.append((adapter, entry.shaping.sought))
         if on_clip is not None:
-            clip_entries.append(Entry(adapter, _strength(entry.strength_clip) * base))
+            clip_entries.append(on_text)
     new_model = model
     if model_entries:
         new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet", finding=finding_of(sought))
@@ -153,21 +107,9 @@ def apply_stack(model, clip, stack: Sequence[StackEntry], max_loras: int = 0):
 
 def finding_of(sought: list[tuple[Adapter, Sought]]) -> Finding | None:
     """The regions a stack's entries seek, of one LoRAAutoRegions (its `Finder`), each entry's adapter by its
-    subject; None where none seeks one."""
-    if not sought:
-        return None
-    finders = {id(s.finder): s.finder for _, s in sought}
-    if len(finders) > 1:
-        raise ShapingError("the stack holds the entries of two LoRAAutoRegions nodes; one finds the regions of "
-                           "every entry it names", remedy="name all the entries in one LoRAAutoRegions")
-    finder = next(iter(finders.values()))
-    by_subject = {s.index: a for a, s in sought}
-    missing = [s.name for i, s in enumerate(finder.subjects) if i not in by_subject]
-    if missing:
-        raise ShapingError(f"LoRAAutoRegions seeks the regions of {', '.join(missing)}, which the stack given to "
-                           "the loader no longer holds (or which matches no layer of the model)",
-                           remedy="connect LoRAAutoRegions' stack to the loader as it is")
-    return Finding(finder, tuple(by_subject[i] for i in range(len(finder.subjects))))
+    subject; None where none seeks one (refusals: `shaping.seeking`)."""
+    found = seeking(sought)
+    return None if found is None else Finding(*found)
 
 
 def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None, finding=None):

@@ -7,7 +7,7 @@ bare name. So where an engine error leaves the pack for ComfyUI (a node's functi
 it is raised again as ValueError (the engine's ValueErrors) or RuntimeError (the others), its message opening with
 the error's kind, `lora_engine.errors.LoRAFileError: …` (`LoRAError.for_host`). The engine's error is its cause,
 shown in the server log. The one other place ComfyUI calls the pack, a conditioning's `process_cond`
-(nodes/cond_strengths.py), raises its error so itself.
+(lora_engine/stack/cond_strengths.py), raises its error so itself.
 
 The engine knows no node. Where a node's input caused an engine error, `for_node` says it as that node's user meets
 it: the node named, and what to change on it (`NODE_WORDS`, by the engine error's class, from its fields).

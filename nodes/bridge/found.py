@@ -5,17 +5,14 @@ ComfyUI's attention functions (`comfy.ldm.modules.attention`, wrapped by `wrap_a
 function a model's `transformer_options["optimized_attention_override"]` names, if any. `Recorder` is that
 function: it runs the attention as ComfyUI would (or the override it found on the model), returns its output
 unchanged, and, in the model calls `ModelCallWrapper` marks for recording (`CALL`), gives the finder the queries of
-the image tokens and the keys of the text tokens of the calls that read the prompt:
-- a UNet (SD1.x, SD2.x, SDXL): every cross-attention (`attn2`), told by its keys, as many as the call's text
-  tokens, and its queries, the transformer's input grid (ComfyUI's `activations_shape`); a level whose grid has
-  as many tokens as the text is left out, where a self-attention could not be told from it;
-- Flux: the double blocks' joint attention, the text tokens first, then the latent in 2×2 patches.
-Only the rows of the call's first positive chunk (`cond_or_uncond` 0) are recorded.
+the image tokens and the keys of the text tokens of the calls that read the prompt. Which calls those are, where
+their image tokens lie and which text encoder they read is the family's, among its token rules (`tokens`:
+`Family.ENCODERS` and `Family.attended`; a UNet's cross-attentions, Flux's double blocks). Only the rows of the
+call's first positive chunk (`cond_or_uncond` 0) are recorded.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,41 +20,42 @@ import torch
 from ...lora_engine import Adapter, ShapingError
 from ...lora_engine.found import Finder
 
+from .tokens import Family, family_rules, recorded_family
+
 OVERRIDE = "optimized_attention_override"
 CALL = "multilora_found_call"  # in a model call's transformer_options: what to record in it (`Call`)
-ENCODERS = {"UNetModel": ("l", "g", "h"), "Flux": ("t5xxl",)}  # the text encoder whose tokens each family attends to
-LABELS = {"UNetModel": "UNet (SD1.x, SD2.x, SDXL)", "Flux": "Flux"}
 
 
 @dataclass
 class Finding:
     """A stack's regions to find: the finder, the adapter of each of its subjects, and the text encoder chosen for
-    the model sampled (`check`)."""
+    the model sampled and that model's family, by ComfyUI's diffusion-model class name (`check`)."""
 
     finder: Finder
     adapters: tuple[Adapter, ...]
     encoder: str | None = None
-    family: str | None = None
+    family: str | None = None  # a key of `tokens.FAMILIES`; its rules are `rules`
     fresh: bool = field(default=False)  # a sampling began: the bank's found regions are to be taken off
 
     def check(self, root) -> None:
         """Before sampling: the family's attention can be recorded, and the words were found in the tokens of the
         text encoder it reads. Starts the finder for the sampling."""
-        dm = getattr(root, "diffusion_model", root)
-        name = type(dm).__name__
-        if name not in ENCODERS:
-            raise ShapingError(f"LoRAAutoRegions cannot record the attention of {name} models: the pack records "
-                               f"that of {' and '.join(LABELS.values())}",
-                               remedy="paint the masks and give them to LoRAStackMask")
-        encoder = self.finder.encoder(ENCODERS[name])
+        name = recorded_family(root)
+        label, rules = family_rules(name)
+        encoder = self.finder.encoder(rules.ENCODERS)
         if encoder is None:
-            raise ShapingError(f"{LABELS[name]} attends to the tokens of its {' or '.join(ENCODERS[name])} text "
+            raise ShapingError(f"{label} attends to the tokens of its {' or '.join(rules.ENCODERS)} text "
                                f"encoder, and LoRAAutoRegions' prompt was tokenized by "
                                f"{', '.join(sorted(self.finder.tokens)) or 'none'}",
                                remedy="give LoRAAutoRegions the CLIP of the model being sampled")
         self.encoder, self.family = encoder, name
         self.finder.start()
         self.fresh = True
+
+    @property
+    def rules(self) -> type[Family]:
+        """The family's rules: which attention calls read the prompt, and where their image tokens lie."""
+        return family_rules(self.family)[1]
 
     def before_call(self, bank, progress: float, x: torch.Tensor, context, transformer_options: dict) -> dict:
         """At each model call: the regions found at find_until and put on `bank`; the call's transformer_options,
@@ -92,24 +90,10 @@ class Call:
 
     def record(self, q, k, heads: int, skip_reshape: bool, kwargs: dict) -> None:
         options = kwargs.get("transformer_options") or {}
-        if self.finding.family == "Flux":
-            if options.get("block_type") != "double" or not skip_reshape:
-                return
-            h, w = (math.ceil(n / 2) for n in self.latent)
-            if q.shape[2] != self.text + h * w:
-                return  # reference latents (Kontext) or another layout: nothing of it is placed
-            q_img, k_txt, grid = q[self.rows, :, self.text:], k[self.rows, :, : self.text], (h, w)
-        else:
-            shape = options.get("activations_shape")
-            if skip_reshape or shape is None or len(shape) != 4:
-                return
-            grid = (int(shape[2]), int(shape[3]))
-            n = grid[0] * grid[1]
-            if q.shape[1] != n or k.shape[1] != self.text or n == self.text:
-                return
-            d = q.shape[-1] // heads
-            q_img = q[self.rows].reshape(-1, n, heads, d).transpose(1, 2)
-            k_txt = k[self.rows].reshape(-1, self.text, heads, d).transpose(1, 2)
+        found = self.finding.rules.attended(self.latent, self.text, self.rows, q, k, heads, skip_reshape, options)
+        if found is None:
+            return
+        q_img, k_txt, grid = found
         scale = kwargs.get("scale", q_img.shape[-1] ** -0.5)
         self.finding.finder.record(self.finding.encoder, q_img, k_txt, scale, grid, self.latent)
 

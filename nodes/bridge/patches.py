@@ -29,21 +29,20 @@ from ...lora_engine.binding import no_match
 from ...lora_engine.errors import EngineError
 from ...lora_engine.patches import LoHa, LoKr, LowRank
 
-from .apply import StackEntry, fixed_strengths
+from .apply import Loaded, fixed_strengths
 from .models import binding_of, layer_weight, unhookable_keys
 
 
-def as_patches(model, clip, stack: Sequence[StackEntry]):
+def as_patches(model, clip, stack: Sequence[Loaded]):
     """Clones of `model` and `clip` (None stays None) carrying `stack` as weight patches. Raises before any clone is
     made on any bad entry (a schedule, a LoRA that matches nothing)."""
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
     roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
     planned = []  # (on_model, model strengths by layer, on_clip, clip strength)
-    for entry in stack:
-        adapter = entry.adapter
+    for adapter, entry in stack:
         on_model, by_layer, clip_strength = fixed_strengths(
-            entry, unet_root, "a weight patch holds one strength",
+            adapter, entry, unet_root, "a weight patch holds one strength",
             "remove LoRAStrengthSchedule from this entry, or apply the stack with MultiLoRALoader, which runs "
             "schedules")
         on_clip = binding_of(adapter, clip_root, "clip") if clip_root is not None else None

@@ -12,9 +12,9 @@ from ...lora_engine import SlotBank
 from ...lora_engine.errors import ConditioningStrengthError
 from ...lora_engine.grid import GridError
 from ...lora_engine.schedule import step_progress
+from ...lora_engine.stack import cond_strengths
+from ...lora_engine.stack.cond_strengths import CondBatch
 
-from .. import cond_strengths
-from ..cond_strengths import CondBatch
 from .errors import host_errors
 from .found import Finding
 from .injection import Stack, injection_of, release_unloaded

@@ -16,7 +16,7 @@ from ...lora_engine import LoRAError, LoRAFileError, read_header
 from ...lora_engine.combine import LayerResult, SavedLayer, combine
 from ...lora_engine.plan import Geometry
 
-from .apply import StackEntry, fixed_strengths
+from .apply import Loaded, fixed_strengths
 from .bake import check_interrupt, progress, save_target, write_atomic
 from .models import TEXT_ENCODER_LAYER, binding_of, layer_weight
 
@@ -66,7 +66,7 @@ def _add(layers: dict[tuple[str, str], SavedLayer], kind: str, keys, modules, bi
         layer.add(plan, by_layer[name], adapter)
 
 
-def saved_layers(model, clip, stack: Sequence[StackEntry]) -> list[SavedLayer]:
+def saved_layers(model, clip, stack: Sequence[Loaded]) -> list[SavedLayer]:
     """Every layer the stack patches, on the diffusion model and (with `clip`) the text encoder, each entry at its
     strengths, block weights folded into its layers' strengths (BASE into its text-encoder strength). A schedule is
     refused; so is a text-encoder strength without a CLIP to name the layers."""
@@ -76,10 +76,9 @@ def saved_layers(model, clip, stack: Sequence[StackEntry]) -> list[SavedLayer]:
     clip_keys, clip_modules = ((lora_keys(clip_root, "clip"), dict(clip_root.named_modules()))
                                if clip_root is not None else ({}, {}))
     layers: dict[tuple[str, str], SavedLayer] = {}
-    for e in stack:
-        adapter = e.adapter
+    for adapter, e in stack:
         on_model, by_layer, clip_strength = fixed_strengths(
-            e, unet_root, "a LoRA file holds one strength per layer",
+            adapter, e, unet_root, "a LoRA file holds one strength per layer",
             "remove its LoRAStrengthSchedule before saving (the file is then the stack at its plain strength), or "
             "save without that LoRA")
         if on_model is not None and e.strength_model != 0.0:
@@ -109,17 +108,18 @@ class _Offset:
         self.bar.update_absolute(self.done + value, self.done + total)
 
 
-def save_stack(model, clip, stack: Sequence[StackEntry], name: str, rank: int, overwrite: bool,
+def save_stack(model, clip, stack: Sequence[Loaded], name: str, rank: int, overwrite: bool,
                precision: str = "fp32") -> tuple[str, str, list[LayerResult]]:
     """Write the stack as one kohya LoRA file `name` in the loras folder of its first LoRA; (the file's path, the
     report text, each layer's result). Exact where `rank` is 0, else each layer above `rank` reduced to it by SVD on
     the model's device. The write is atomic and honours an interrupt; nothing is written before every check has
     passed. An existing file is an error unless `overwrite` is on, or kept as it is where it already holds this save
     (the same LoRAs, strengths, rank, precision, model and text encoder: the same prompt queued again)."""
-    target = save_target(name, "loras", True, stack[0].adapter.path if stack else None)
-    sources = [{"name": e.adapter.name, "fingerprint": e.adapter.fingerprint, "strength_model": e.strength_model,
-                "strength_clip": e.strength_clip, "blocks": e.blocks.text if e.blocks is not None else None}
-               for e in stack]
+    target = save_target(name, "loras", True, stack[0][0].path if stack else None)
+    sources = [{"name": a.name, "fingerprint": a.fingerprint, "strength_model": e.strength_model,
+                "strength_clip": e.strength_clip,
+                "blocks": e.shaping.blocks.text if e.shaping.blocks is not None else None}
+               for a, e in stack]
     saved = {"rank": rank, "precision": precision, "model": type(model.model).__name__,
              "clip": type(clip.cond_stage_model).__name__ if clip is not None else None}
     identity = {META_SOURCES: json.dumps(sources), META_SAVED: json.dumps(saved, sort_keys=True)}

@@ -32,3 +32,11 @@ def test_no_engine_file_mentions_comfy_imports():
     for path in (ROOT / "lora_engine").rglob("*.py"):
         text = path.read_text()
         assert "import comfy" not in text and "from comfy" not in text, path
+
+
+def test_the_engine_never_imports_the_stack_layer_above_it():
+    for path in (ROOT / "lora_engine").rglob("*.py"):
+        if "stack" in path.relative_to(ROOT / "lora_engine").parts[:-1]:
+            continue
+        text = path.read_text()
+        assert "from .stack" not in text and "from ..stack" not in text and "lora_engine.stack" not in text, path

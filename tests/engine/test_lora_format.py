@@ -1,20 +1,16 @@
-"""The format the picker's card names (nodes/lora_info.adapter_format), on files written by LyCORIS's own saver, by
-PEFT's and in kohya sd-scripts' layout for SD1.5 and SDXL: LoRA, LoCon, LoHa, LoKr, DoRA, OFT.
+"""The format the picker's card names (lora_engine/stack/lora_info.adapter_format), on files written by LyCORIS's own
+saver, by PEFT's and in kohya sd-scripts' layout for SD1.5 and SDXL: LoRA, LoCon, LoHa, LoKr, DoRA, OFT.
 
-LoCon means a convolution kernel wider than 1×1 in a down/A factor or a Tucker core (`lora_mid`). kohya's plain
-SD1.5 LoRAs hold 1×1 conv factors on every `proj_in`/`proj_out`: those are LoRAs, and the kohya cases show it on
-the module names and shapes of a tiny diffusers UNet and CLIP, put through kohya's own rule for which modules it
-adapts and how it names them (sd-scripts' networks/lora.py, copied below), since sd-scripts is no package.
-
-nodes/lora_info.py is loaded from its file, because importing the `nodes` package imports ComfyUI."""
+LoCon means a convolution kernel wider than 1×1 in a down/A factor or a Tucker core (`lora_mid`). kohya's plain SD1.5
+LoRAs hold 1×1 conv factors on every `proj_in`/`proj_out`: those are LoRAs, and the kohya cases show it on the module
+names and shapes of a tiny diffusers UNet and CLIP, put through kohya's own rule for which modules it adapts and how it
+names them (sd-scripts' networks/lora.py, copied below), since sd-scripts is no package."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,15 +18,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lora_engine import read_header
+from lora_engine.stack import lora_info
 
 from . import lycoris_oracle as lo
 from .lycoris_oracle import Case
-
-_PATH = Path(__file__).resolve().parents[2] / "nodes" / "lora_info.py"
-_spec = importlib.util.spec_from_file_location("multilora_lora_info_format", _PATH)
-lora_info = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lora_info)
-
 
 def only(*kept: str) -> tuple[str, ...]:
     """`Case.exclude` that keeps LyCORIS on the layers `kept` of lycoris_oracle's tiny model."""

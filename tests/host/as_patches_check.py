@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.host.properties import prop  # noqa: E402
 from tests.host.sampling_check import emit  # noqa: E402
+from tools.comfy_inprocess import entry_of  # noqa: E402
 
 
 def layers(comfy, bridge, engine, assets, reads_weight: str, kinds: str) -> dict:
@@ -41,7 +42,7 @@ def layers(comfy, bridge, engine, assets, reads_weight: str, kinds: str) -> dict
                                          convert_id="comfy")
     files = {"low_rank": load(assets["loras"]["kohya"], "kohya"), "reads_weight": load(reads_weight, "reads_weight"),
              "kinds": load(kinds, "kinds")}
-    stack = [bridge.StackEntry(a, s, 0.0) for a, s in zip(files.values(), (0.8, 0.6, 0.7))]
+    stack = [entry_of(a, s, 0.0) for a, s in zip(files.values(), (0.8, 0.6, 0.7))]
     before = {k: v.clone() for k, v in model.model.state_dict().items()}
     patched, _ = bridge.as_patches(model, None, stack)
     models = import_module(bridge.__name__ + ".models")
@@ -125,7 +126,7 @@ def main() -> int:
     torch.set_num_threads(1)
     assets = synth.ensure_assets_any_python(comfy_root=root, python=sys.executable)
     result = {**layers(comfy, import_bridge(), import_engine(), assets, args.reads_weight, args.kinds),
-              **warning_cases(import_node_module("keep_warning"))}
+              **warning_cases(import_engine("stack.keep_warning"))}
     return emit(result, args.out)
 
 

@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.host.sampling_check import Run, diffs, run_sampling  # noqa: E402  (after the sys.path line)
+from tools.comfy_inprocess import entry_of  # noqa: E402
 
 STEPS, CFG = 2, 2.0
 NAMES = {"A": "flux_kohya.safetensors", "B": "flux_diffusers.safetensors", "img_in": "flux_img_in.safetensors"}
@@ -157,7 +158,7 @@ class Check:
         a = self.run.adapters["kohya"]
         cases = {"no_stack": self.run.base,
                  "not_held": self.run.ours(self.run.base, ["diffusers"], [1.0]),
-                 "grid": bridge.apply_stack(self.run.base, None, [bridge.StackEntry(a, [0.0, 1.0], 0.0)], 1)[0]}
+                 "grid": bridge.apply_stack(self.run.base, None, [entry_of(a, [0.0, 1.0], 0.0)], 1)[0]}
         out = {}
         for tag, model in cases.items():
             try:

@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:  # run as a script: the families and the tools are
     sys.path.insert(0, str(ROOT))
 
 from tests.host.family_layouts import Family, Writer, families  # noqa: E402  (after the sys.path line)
+from tools.comfy_inprocess import entry_of  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class FamilyRun:
     def ours(self, case: Case) -> tuple:
         adapters = [self.files[layout][1] for layout, _ in case.entries]
         strengths = [s for _, s in case.entries]
-        stack = [self.bridge.StackEntry(a, s, 0.0) for a, s in zip(adapters, strengths)]
+        stack = [entry_of(a, s, 0.0) for a, s in zip(adapters, strengths)]
         clone = self.bridge.apply_stack(self.base, None, stack, len(stack))[0]
         self.mm.load_models_gpu([clone])
         out = self.forward()
@@ -215,7 +216,7 @@ class FamilyRun:
         try:
             for mod in real:
                 mod.bind = counting
-            stack = [self.bridge.StackEntry(a, s, 0.0) for a, s in zip(adapters, strengths)]
+            stack = [entry_of(a, s, 0.0) for a, s in zip(adapters, strengths)]
             clone = self.bridge.apply_stack(self.base, None, stack, len(stack))[0]
             self.mm.load_models_gpu([clone])
         finally:

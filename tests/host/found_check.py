@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.host.sampling_check import Run, diffs, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
-from tools.comfy_inprocess import import_engine  # noqa: E402
+from tools.comfy_inprocess import import_engine, entry_of  # noqa: E402
 
 STEPS, CFG, SPLIT = 4, 2.0, 2
 WORDS = {"A": (1, 2), "B": (5,)}
@@ -70,8 +70,8 @@ class Check:
     def stack(self, finder=None, regions=(None, None), model=None):
         bridge, run = self.run.bridge, self.run
         seek = [None, None] if finder is None else [finder.sought(0), finder.sought(1)]
-        entries = [bridge.StackEntry(run.adapters["kohya"], 1.0, 0.0, region=seek[0] or regions[0]),
-                   bridge.StackEntry(run.adapters["diffusers"], -0.6, 0.0, region=seek[1] or regions[1])]
+        entries = [entry_of(run.adapters["kohya"], 1.0, 0.0, region=seek[0] or regions[0]),
+                   entry_of(run.adapters["diffusers"], -0.6, 0.0, region=seek[1] or regions[1])]
         return bridge.apply_stack(model or run.base, None, entries, 2)[0]
 
     def sample(self, model, start=None, last=None, latent=None, noise=True):
@@ -160,7 +160,7 @@ class Check:
         seek = import_node_module("autoregions")
         placed = seek.LoRAAutoRegions().seek(stack, clip, "a knight and a red dragon", "#1: knight\n#2: red dragon",
                                               0.5, 0.3, 1.0, "off", 0.0)[0]
-        finder = placed[0].region.finder
+        finder = placed[0].shaping.region.finder
         model = import_node_module("loader").MultiLoRALoader().apply(run.base, placed)[0]
         length = finder.tokens["t5xxl"]
         g = torch.Generator().manual_seed(5)

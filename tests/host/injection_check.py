@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.host.properties import prop  # noqa: E402
 from tests.host.sampling_check import run_check  # noqa: E402
+from tools.comfy_inprocess import entry_of  # noqa: E402
 
 
 def run(comfy, bridge, comfy_root: Path) -> dict:
@@ -77,7 +78,7 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     cond = encode(clip)
     base = sample(model, cond)
     base_text = cond[0][0]
-    both = [bridge.StackEntry(ad[k], 1.0, 1.0) for k in ("kohya", "peft")]
+    both = [entry_of(ad[k], 1.0, 1.0) for k in ("kohya", "peft")]
     stacked, stacked_clip = bridge.apply_stack(model, clip, both)
     with_stack = sample(stacked, cond)
     with_stack_text = encode(stacked_clip)[0][0]
@@ -111,8 +112,8 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     copies = bank.copies
     del stacked, stacked_clip  # as ComfyUI drops a changed node's output when the next prompt starts
     gc.collect()
-    moved, _ = bridge.apply_stack(model, None, [bridge.StackEntry(ad["kohya"], 0.5, 1.0),
-                                                bridge.StackEntry(ad["peft"], 1.0, 1.0)])
+    moved, _ = bridge.apply_stack(model, None, [entry_of(ad["kohya"], 0.5, 1.0),
+                                                entry_of(ad["peft"], 1.0, 1.0)])
     held = SlotBank.attached(model.model) is bank
     moved_out = sample(moved, cond)
     moved_differs = not torch.equal(moved_out, with_stack)
@@ -139,10 +140,10 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
     finally:
         cache.configure(max_items=items)
 
-    first, _ = bridge.apply_stack(model, None, [bridge.StackEntry(ad["kohya"], 1.0, 1.0,
+    first, _ = bridge.apply_stack(model, None, [entry_of(ad["kohya"], 1.0, 1.0,
                                                                   schedule=Schedule.parse("0:1.0, 0.5:0.0"))])
     try:
-        bridge.apply_stack(first, None, [bridge.StackEntry(ad["kohya"], 0.5, 1.0)])
+        bridge.apply_stack(first, None, [entry_of(ad["kohya"], 0.5, 1.0)])
         result["chained_duplicate_refused"] = prop(False, error=None)
     except ShapingError as e:
         result["chained_duplicate_refused"] = prop("appears twice" in str(e), error=str(e))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.host.properties import prop  # noqa: E402
 from tests.host.sampling_check import run_check  # noqa: E402
+from tools.comfy_inprocess import entry_of  # noqa: E402
 
 
 def run(comfy, bridge, comfy_root: Path) -> dict:
@@ -45,7 +46,7 @@ def run(comfy, bridge, comfy_root: Path) -> dict:
                                                         output_clipvision=False)[:2]
     adapters = [default_cache().load(str(p), name=kind, convert=comfy.lora_convert.convert_lora, convert_id="comfy")
                 for kind, p in assets["loras"].items()]
-    ours, ours_clip = bridge.apply_stack(model, clip, [bridge.StackEntry(a, 1.0, 1.0) for a in adapters], 3)
+    ours, ours_clip = bridge.apply_stack(model, clip, [entry_of(a, 1.0, 1.0) for a in adapters], 3)
     cond = ours_clip.encode_from_tokens_scheduled(ours_clip.tokenize("a synthetic test image"))
     latent = torch.zeros(1, 4, 8, 8)
     noise = comfy.sample.prepare_noise(latent, 0)

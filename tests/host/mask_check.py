@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.host.sampling_check import Run, diffs, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
-from tools.comfy_inprocess import import_engine  # noqa: E402
+from tools.comfy_inprocess import import_engine, entry_of  # noqa: E402
 
 STEPS, CFG = 2, 2.0
 
@@ -60,8 +60,8 @@ class Check:
 
     def stack(self, a_region=None, b_region=None, a: float = 1.0, b: float = -0.6, with_a: bool = True):
         bridge = self.run.bridge
-        entries = [bridge.StackEntry(self.run.adapters["kohya"], a, 0.0, region=a_region)] if with_a else []
-        entries.append(bridge.StackEntry(self.run.adapters["diffusers"], b, 0.0, region=b_region))
+        entries = [entry_of(self.run.adapters["kohya"], a, 0.0, region=a_region)] if with_a else []
+        entries.append(entry_of(self.run.adapters["diffusers"], b, 0.0, region=b_region))
         return bridge.apply_stack(self.run.base, None, entries, len(entries))[0]
 
     def samples(self) -> dict:
@@ -82,7 +82,7 @@ class Check:
 
     def refusals(self) -> dict:
         torch, bridge = self.run.torch, self.run.bridge
-        batch3 = bridge.StackEntry(self.run.adapters["kohya"], 1.0, 0.0, region=self.Region.of(torch.ones(3, 4, 4)))
+        batch3 = entry_of(self.run.adapters["kohya"], 1.0, 0.0, region=self.Region.of(torch.ones(3, 4, 4)))
         return {"refusal_batch": self._refused(bridge.apply_stack(self.run.base, None, [batch3], 1)[0], 2,
                                                import_engine("errors").ShapingError),
                 "refusal_family": unknown_layout(self.run, "hunyuan_video_musubi.safetensors",

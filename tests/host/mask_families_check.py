@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
 
 from tests.host.family_layouts import HIDREAM_UNET, Family, Writer, families, hidream_inputs, lumina2_inputs  # noqa: E402
 from tests.host.sampling_check import diffs, emit  # noqa: E402
+from tools.comfy_inprocess import entry_of  # noqa: E402
 
 ZIMAGE = Family(  # model_detection's Z-Image (picked by its width, 3840), made 256 wide: z_image_modulation, pads of 32
     "ZImage", {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3840, "cap_feat_dim": 64,
@@ -146,7 +147,7 @@ class FamilyMasks:
                                          transformer_options=options, **kw).float()
 
     def stack(self, region=None, adapter=None):
-        entry = self.bridge.StackEntry(adapter or self.adapter, 1.0, 0.0, region=region)
+        entry = entry_of(adapter or self.adapter, 1.0, 0.0, region=region)
         return self.bridge.apply_stack(self.base, None, [entry], 1)[0]
 
     def outputs(self) -> dict:

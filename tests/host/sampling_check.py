@@ -74,7 +74,7 @@ if str(ROOT) not in sys.path:  # run as a script: the layouts and the tools are 
     sys.path.insert(0, str(ROOT))
 
 from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
-from tools.comfy_inprocess import import_engine  # noqa: E402
+from tools.comfy_inprocess import import_engine, entry_of  # noqa: E402
 
 ENTRIES = (("kohya", 1.0), ("diffusers", -0.6))
 SCHEDULE = "0:0, 1:1"
@@ -193,7 +193,7 @@ class Run:
 
     def ours(self, model, layouts, strengths, schedules=None):
         schedules = schedules or [None] * len(layouts)
-        stack = [self.bridge.StackEntry(self.adapters[lay], s, 0.0, schedule)
+        stack = [entry_of(self.adapters[lay], s, 0.0, schedule)
                  for lay, s, schedule in zip(layouts, strengths, schedules)]
         return self.bridge.apply_stack(model, None, stack, len(layouts))[0]
 
@@ -287,7 +287,7 @@ class Run:
         plain, adapter = self.load(f"{tag}_plain.safetensors", sd)
         padded_path = self.write(f"{tag}_padded.safetensors", widened_by_hand(self.torch, sd, down_key, inputs))
         out = {f"{tag}_base": run(model),
-               f"{tag}_ours": run(self.bridge.apply_stack(model, None, [self.bridge.StackEntry(adapter, 1.0, 0.0)])[0]),
+               f"{tag}_ours": run(self.bridge.apply_stack(model, None, [entry_of(adapter, 1.0, 0.0)])[0]),
                f"{tag}_padded": run(self.stock(model, padded_path, 1.0)),
                f"{tag}_stock": run(self.stock(model, plain, 1.0))}
         report = next(r for r in self.bridge.reports() if r["adapter"] == f"{tag}_plain.safetensors")
@@ -406,7 +406,7 @@ def unknown_layout(run: Run, name: str, region):
                torch.Generator().manual_seed(3), other.model.model_config.unet_config)
     fam.layouts["musubi"](w)
     _, adapter = run.load(name, w.sd)
-    model = bridge.apply_stack(other, None, [bridge.StackEntry(adapter, 1.0, 0.0, region=region)], 1)[0]
+    model = bridge.apply_stack(other, None, [entry_of(adapter, 1.0, 0.0, region=region)], 1)[0]
     inputs = fam.inputs(torch, torch.Generator().manual_seed(1))
     cond = [[inputs["context"], {"pooled_output": inputs["y"]}]]
     return refused(lambda: comfy.sample.sample(model, torch.randn(inputs["x"].shape), 1, 1.0, "euler", "simple",

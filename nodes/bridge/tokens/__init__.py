@@ -39,6 +39,7 @@ import weakref
 
 from ....lora_engine import ShapingError, SlotBank, Tokens
 
+from .base import Family
 from .dit import SD3, Lumina2, QwenImage
 from .flux import Chroma, Flux
 from .hidream import HiDream
@@ -75,6 +76,23 @@ def family_of(root):
         label, layout = FAMILIES[name]
         family = dm.__dict__[STATE] = layout(dm, label, _masked(root))
     return family
+
+
+def recorded_family(root) -> str:
+    """The name (ComfyUI's diffusion-model class, a key of `FAMILIES`) of `root`'s family, where LoRAAutoRegions
+    records its attention (`Family.ENCODERS`); a `ShapingError` for one whose attention the pack does not record."""
+    name = type(getattr(root, "diffusion_model", root)).__name__
+    family = FAMILIES.get(name, (None, None))[1]
+    if family is None or not family.ENCODERS:
+        recorded = [label for label, f in FAMILIES.values() if f.ENCODERS]
+        raise ShapingError(f"LoRAAutoRegions cannot record the attention of {name} models: the pack records "
+                           f"that of {' and '.join(recorded)}", remedy="paint the masks and give them to LoRAStackMask")
+    return name
+
+
+def family_rules(name: str) -> tuple[str, type[Family]]:
+    """(the family's name in messages, its rules) by ComfyUI's diffusion-model class name (`FAMILIES`)."""
+    return FAMILIES[name]
 
 
 def _masked(root):

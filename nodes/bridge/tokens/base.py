@@ -35,6 +35,18 @@ class Family:
     RULES: tuple[tuple[str, re.Pattern], ...] = ()
     WATCHED: tuple[str, ...] = ()
     gathered = None  # a family whose layers take rows gathered over the call places them: `Tokens.gathered`
+    # The text encoders whose tokens the family's attention reads, in the order a prompt's are looked for: the regions
+    # LoRAAutoRegions finds are recorded from the calls `attended` picks (nodes/bridge/found.py). Empty: not recorded.
+    ENCODERS: tuple[str, ...] = ()
+
+    @staticmethod
+    def attended(latent: tuple[int, int], text: int, rows: slice, q, k, heads: int, skip_reshape: bool,
+                 options: dict):
+        """(the queries of the image tokens [items, heads, n, d], the keys of the text tokens, the image grid (h, w))
+        of one attention call that reads the prompt, or None for a call that does not. `latent`: the model call's
+        latent grid; `text`: its text tokens; `rows`: its positive chunk; `options`: the call's
+        transformer_options."""
+        return None
 
     def __init__(self, dm, name: str, masked: Callable[[], bool] = lambda: True):
         self.name = name

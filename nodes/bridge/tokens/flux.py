@@ -3,6 +3,8 @@ stream in the double blocks, and the single blocks' one sequence split where Com
 
 from __future__ import annotations
 
+import math
+
 from ....lora_engine import Layout
 
 from .base import TEXT, Family, rules
@@ -19,9 +21,12 @@ _STREAMS = (
 
 class Flux(Family):
     """The image grid is the latent in patches; the single blocks' split is ComfyUI's `img_slice`, recorded as each
-    single block starts. A call with reference latents (Kontext) has more image rows than the latent: refused."""
+    single block starts. A call with reference latents (Kontext) has more image rows than the latent: refused. Found
+    regions are recorded from the double blocks' joint attention: the text tokens first, then the latent in 2×2
+    patches."""
 
     RULES = rules(*_STREAMS)
+    ENCODERS = ("t5xxl",)
 
     def __init__(self, dm, name, masked):
         super().__init__(dm, name, masked)
@@ -29,6 +34,15 @@ class Flux(Family):
         self.split: int | None = None
         for m in dm.single_blocks:
             m.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    @staticmethod
+    def attended(latent, text, rows, q, k, heads, skip_reshape, options):
+        if options.get("block_type") != "double" or not skip_reshape:
+            return None
+        h, w = (math.ceil(n / 2) for n in latent)
+        if q.shape[2] != text + h * w:
+            return None  # reference latents (Kontext) or another layout: nothing of it is placed
+        return q[rows, :, text:], k[rows, :, :text], (h, w)
 
     def _record(self, module, args, kwargs):
         options = kwargs.get("transformer_options") or {}
@@ -54,3 +68,4 @@ class Chroma(Flux):
     approximator (`distilled_guidance_layer`), whose rows are one per modulation index of each item (text strength)."""
 
     RULES = rules(("text", r"distilled_guidance_layer\..*"), *_STREAMS)
+    ENCODERS = ()  # LoRAAutoRegions does not record its attention

@@ -12,7 +12,12 @@ _TEXT = re.compile(r"\.attn2\.to_(k|v)$")  # cross-attention K and V read the te
 
 
 class UNet(Family):
-    """Each `SpatialTransformer` records its input grid as it starts; its layers' rows are that grid."""
+    """Each `SpatialTransformer` records its input grid as it starts; its layers' rows are that grid. Found regions
+    are recorded from every cross-attention (`attn2`), told by its keys, as many as the call's text tokens, and its
+    queries, the transformer's input grid (ComfyUI's `activations_shape`); a level whose grid has as many tokens as
+    the text is left out, where a self-attention could not be told from it."""
+
+    ENCODERS = ("l", "g", "h")
 
     def __init__(self, dm, name, masked):
         super().__init__(dm, name, masked)
@@ -22,6 +27,20 @@ class UNet(Family):
         for n, m in dm.named_modules():
             if type(m).__name__ == "SpatialTransformer":
                 m.register_forward_pre_hook(self._record(n), with_kwargs=True)
+
+    @staticmethod
+    def attended(latent, text, rows, q, k, heads, skip_reshape, options):
+        shape = options.get("activations_shape")
+        if skip_reshape or shape is None or len(shape) != 4:
+            return None
+        grid = (int(shape[2]), int(shape[3]))
+        n = grid[0] * grid[1]
+        if q.shape[1] != n or k.shape[1] != text or n == text:
+            return None
+        d = q.shape[-1] // heads
+        q_img = q[rows].reshape(-1, n, heads, d).transpose(1, 2)
+        k_txt = k[rows].reshape(-1, text, heads, d).transpose(1, 2)
+        return q_img, k_txt, grid
 
     def _record(self, name):
         def record(module, args, kwargs):

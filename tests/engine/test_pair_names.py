@@ -1,14 +1,8 @@
-"""nodes/pairs.py without ComfyUI: which file is a Wan 2.2 LoRA's partner, and which names are refused."""
-
-import importlib.util
-from pathlib import Path
+"""lora_engine/stack/pairs.py: which file is a Wan 2.2 LoRA's partner, and which names are refused."""
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "nodes" / "pairs.py"
-_spec = importlib.util.spec_from_file_location("multilora_pairs", _PATH)
-pairs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pairs)
+from lora_engine.stack import pairs
 
 NAMES = [
     "wan/style_high_noise.safetensors", "wan/style_low_noise.safetensors",

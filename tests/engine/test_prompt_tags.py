@@ -1,18 +1,10 @@
-"""nodes/prompt_tags.py without ComfyUI: the `<lora:…>` syntax, the text left, and A1111's name resolution.
-
-The module is loaded from its file, because importing the `nodes` package imports ComfyUI."""
+"""lora_engine/stack/prompt_tags.py: the `<lora:…>` syntax, the text left, and A1111's name resolution."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "nodes" / "prompt_tags.py"
-_spec = importlib.util.spec_from_file_location("multilora_prompt_tags", _PATH)
-tags = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tags)
+from lora_engine.stack import prompt_tags as tags
 
 
 @pytest.mark.parametrize(("text", "want"), [

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from ..lora_engine import Adapter
-from ..lora_engine.errors import ConditioningStrengthError
+from ..adapter import Adapter
+from ..errors import ConditioningStrengthError
 
 KEY = "multilora_strengths"  # the key in a conditioning's model_conds, and the model call's keyword
 
@@ -70,7 +70,7 @@ class CondStrengths:
     # ComfyUI's COND protocol (comfy/conds.py)
 
     def process_cond(self, batch_size: int, **_) -> CondStrengths:
-        if not self.claimed:  # ComfyUI calls this on any model, past the wrappers of nodes/bridge/errors.py
+        if not self.claimed:  # ComfyUI calls this on any model, past the bridge's wrappers (host_errors)
             error = ConditioningStrengthError(UNCLAIMED, remedy=UNCLAIMED_REMEDY)
             raise error.for_host() from error
         return replace(self, items=batch_size)

@@ -1,19 +1,12 @@
-"""nodes/lora_info.py without ComfyUI: what the metadata route reports for headers of known writers.
-
-The module is loaded from its file, because importing the `nodes` package imports ComfyUI."""
+"""lora_engine/stack/lora_info.py: what the metadata route reports for headers of known writers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "nodes" / "lora_info.py"
-_spec = importlib.util.spec_from_file_location("multilora_lora_info", _PATH)
-lora_info = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lora_info)
+from lora_engine.stack import lora_info
 
 
 def kohya(prefix: str, rank: int, width: int = 320, ctx: int = 768) -> dict:
