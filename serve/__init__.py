@@ -1,0 +1,1 @@
+"""Past one machine: what routes a ComfyUI prompt to the worker that already holds its models (`affinity`)."""
