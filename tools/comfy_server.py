@@ -201,6 +201,17 @@ def supported_cli_flags(comfy_root: Path) -> set[str]:
     return flags
 
 
+def pinned_cache(comfy_root) -> list[str]:
+    """`--cache-classic` where this ComfyUI declares it: a node's output stays cached while the prompts use it, and
+    goes when a prompt no longer does. ComfyUI's default RAM-pressure cache does the same while memory is free, but
+    drops the outputs of the running prompt too when other processes leave it short of memory, the checkpoint
+    among them, and the model's slots with it (as designed): on a busy machine, a re-run that copies nothing
+    copied every adapter again, and the same stack may land in other slots, which sum its LoRAs in another order (a
+    few pixel values a level apart: docs/engine.md). Tests that count copies or compare images bit for bit across
+    prompts need the model to stay; `test_unload.py` drops it on purpose."""
+    return ["--cache-classic"] if "--cache-classic" in supported_cli_flags(comfy_root) else []
+
+
 # --------------------------------------------------------------------------
 # server
 

@@ -145,19 +145,10 @@ def place(src, dst) -> None:
         shutil.copyfile(src, dst)
 
 
-def pinned_cache(comfy_root) -> list[str]:
-    """`--cache-classic` where this ComfyUI declares it: a node's output stays cached while the prompts use it, and
-    goes when a prompt no longer does. ComfyUI's default RAM-pressure cache does the same while memory is free, but
-    drops the outputs of the running prompt too when other processes leave it short of memory, the checkpoint
-    among them, and the model's slots with it (as designed): on a busy machine, a re-run that copies nothing
-    copied every adapter again. Tests that count copies need the model to stay; `test_unload.py` drops it on purpose."""
-    return ["--cache-classic"] if "--cache-classic" in cs.supported_cli_flags(comfy_root) else []
-
-
 @pytest.fixture(scope="session")
 def server(comfy_root, comfy_python, models_dir, tmp_path_factory):
     srv = cs.ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
-                         workdir=tmp_path_factory.mktemp("comfy"), extra_args=pinned_cache(comfy_root))
+                         workdir=tmp_path_factory.mktemp("comfy"), extra_args=cs.pinned_cache(comfy_root))
     srv.start()
     try:
         yield srv

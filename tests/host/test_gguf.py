@@ -24,7 +24,7 @@ import pytest
 from tools import comfy_server as cs
 from tools import synth
 
-from .conftest import pinned_cache, place, unet_of_checkpoint
+from .conftest import place, unet_of_checkpoint
 from .test_multilora import assert_reads_copies_and_patches_nothing, mad, one
 from .workflows import loader_nodes, model_graph
 
@@ -66,7 +66,7 @@ def gguf_unet(gguf_pack, comfy_python, models_dir, synth_assets) -> Path:
 def gguf_server(comfy_root, comfy_python, models_dir, gguf_pack, gguf_unet, tmp_path_factory):
     srv = cs.ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
                          workdir=tmp_path_factory.mktemp("comfy_gguf"), other_packs=[gguf_pack],
-                         extra_args=pinned_cache(comfy_root))  # a strength move must find the model kept
+                         extra_args=cs.pinned_cache(comfy_root))  # a strength move must find the model kept
     srv.start()
     try:
         error = srv.pack_import_error(gguf_pack)

@@ -25,8 +25,9 @@ import shutil
 import numpy as np
 import pytest
 
+from tools import comfy_server as cs
+
 from . import workflows as wf
-from .conftest import pinned_cache
 
 pytestmark = pytest.mark.host
 
@@ -144,10 +145,9 @@ def model_only(ours):
 
 @pytest.fixture(scope="module")
 def fp32_text_encoder(comfy_root, comfy_python, models_dir, tmp_path_factory):
-    from tools.comfy_server import ComfyServer
-    srv = ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
+    srv = cs.ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,
                       workdir=tmp_path_factory.mktemp("comfy_fp32te"),
-                      extra_args=["--fp32-text-enc", *pinned_cache(comfy_root)])
+                      extra_args=["--fp32-text-enc", *cs.pinned_cache(comfy_root)])
     srv.start()
     try:
         yield srv

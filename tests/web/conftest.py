@@ -63,8 +63,9 @@ def web_models_dir(tmp_path_factory, web_comfy_root) -> Path:
 
 @pytest.fixture(scope="session")
 def web_server(web_comfy_root, web_models_dir, tmp_path_factory):
+    # The model stays while the prompts use it, on a busy machine too: the preset tests compare images bit for bit.
     srv = cs.ComfyServer(comfy_root=web_comfy_root, models_dir=web_models_dir,
-                         workdir=tmp_path_factory.mktemp("web-comfy"))
+                         workdir=tmp_path_factory.mktemp("web-comfy"), extra_args=cs.pinned_cache(web_comfy_root))
     srv.start()
     try:
         error = srv.pack_import_error()
