@@ -141,5 +141,24 @@ def test_threads_asking_for_one_file_hash_it_once(tmp_path):
     assert hashes.stats()["computed"] == 1 and hashes.stats()["hits"] == 7
 
 
-def test_the_process_wide_cache_is_one_object():
-    assert default_hashes() is default_hashes()
+def test_a_file_hashed_through_the_process_wide_cache_is_read_once_for_every_caller(tmp_path):
+    """The nodes, the routes and the save path each ask `default_hashes()`, some on threads of their own, the first
+    ones at once: the file is read once, and every later caller is answered from what the first one read."""
+    data = os.urandom(1 << 16)
+    path = write(tmp_path / "shared.safetensors", data)
+    start, out = threading.Barrier(4), []
+
+    def first_callers():
+        start.wait()
+        out.append(default_hashes().sha256(path))
+
+    before = default_hashes().stats()
+    threads = [threading.Thread(target=first_callers) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    later = default_hashes().sha256(path)
+    after = default_hashes().stats()
+    assert out == [later] * 4 and later == hashlib.sha256(data).hexdigest()
+    assert after["computed"] - before["computed"] == 1 and after["hits"] - before["hits"] == 4
