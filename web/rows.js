@@ -1,6 +1,6 @@
 /**
  * The row model of the LoRAStackRows node. Pure: no DOM and no ComfyUI import, so that
- * `node --test web/tests/` runs it.
+ * `node --test tests/js/` runs it.
  *
  * A row is {enabled, lora, strength_model, strength_clip, target, lora_low}. Row i (1-based) lives in the node's
  * declared inputs enabled_i, lora_i, strength_model_i and strength_clip_i (nodes/rows.py); a MultiLoRARows node
@@ -14,12 +14,13 @@
  * or before the rows node existed) falls back to the widget values.
  */
 
+import { AUTO, TARGETS } from './pair_names.js'
+
+export { AUTO, TARGETS }
 export const NONE = 'None'
 export const FIELDS = Object.freeze(['enabled', 'lora', 'strength_model', 'strength_clip'])
 export const PAIR_FIELDS = Object.freeze(['target', 'lora_low'])
 export const ALL_FIELDS = Object.freeze([...FIELDS, ...PAIR_FIELDS])
-export const TARGETS = Object.freeze(['both', 'high', 'low'])
-export const AUTO = 'auto' // a row's low file: its partner by name, else its own file
 export const SNAPSHOT_KEY = 'multilora_rows'
 export const SNAPSHOT_VERSION = 1
 export const STRENGTH_MIN = -100

@@ -62,3 +62,13 @@ def test_the_swapped_word_keeps_its_case():
     assert [s[2] for s in pairs.swaps("x_High_Noise.safetensors")] == ["x_Low_Noise.safetensors"]
     assert [s[2] for s in pairs.swaps("x_ln.safetensors")] == ["x_hn.safetensors"]
     assert pairs.swaps("highway_lowland.safetensors") == []
+
+
+def test_the_page_has_the_pair_words_of_the_stack_layer():
+    """web/pair_names.js is what tools/web_constants.py writes from this module: the page and the server cannot
+    disagree on a row's targets or on the low file found by name."""
+    from tools import web_constants
+
+    assert web_constants.TARGET.read_text() == web_constants.text(), \
+        "web/pair_names.js is stale: run .venv/bin/python tools/web_constants.py"
+    assert f'"{pairs.AUTO}"' in web_constants.text() and all(f'"{t}"' in web_constants.text() for t in pairs.TARGETS)
