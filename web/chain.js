@@ -1,6 +1,6 @@
 /**
  * "Convert to Multi-LoRA Loader": which nodes a chain of LoRA loaders is, in order, and the rows they stand for.
- * Pure: no DOM and no ComfyUI import, so that `node --test web/tests/` runs it; convert.js applies it to the graph.
+ * Pure: no DOM and no ComfyUI import, so that `node --test tests/js/` runs it; convert.js applies it to the graph.
  *
  * A loader is {id, type, mode, widgets: [{name, value}], modelFrom, clipFrom, clipTo} where modelFrom and clipFrom
  * are the ids of the nodes its model and clip inputs come from (null when unlinked).

@@ -6,7 +6,7 @@ import { test } from 'node:test'
 import {
   LISTING_FORMAT, MAX_RECENT, baseName, buildTree, cardLines, folderOf, initials, isPickerField, parseListing,
   pushRecent, rowWindow, search, splitRecent,
-} from '../library.js'
+} from '../../web/library.js'
 
 const FILES = [
   { name: 'flux/characters/alice_v2.safetensors', triggers: ['alice', 'blue dress'], base_model: 'Flux' },
@@ -148,7 +148,7 @@ test('the LoRA fields of the pack that open the picker', () => {
 })
 
 test('the library store keeps the listing, tells its listeners only of a changed one, and forgets it on Refresh', async () => {
-  const { LibraryStore } = await import('../picker.js')
+  const { LibraryStore } = await import('../../web/picker.js')
   let text = JSON.stringify(listing([['', [['a.safetensors']]]]))
   const asked = []
   const store = new LibraryStore(async (path) => {
@@ -170,7 +170,7 @@ test('the library store keeps the listing, tells its listeners only of a changed
 })
 
 test('a listing the server refuses is an error, and the store stays as it was', async () => {
-  const { LibraryStore } = await import('../picker.js')
+  const { LibraryStore } = await import('../../web/picker.js')
   const store = new LibraryStore(async () => ({ ok: false, text: JSON.stringify({ error: 'boom' }) }))
   await assert.rejects(store.load(), /boom/)
   assert.equal(store.cached, null)

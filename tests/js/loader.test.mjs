@@ -1,9 +1,9 @@
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
-import { ChainError, POWER_LORA_LOADER, orderChain, planConversion, rowsOf } from '../chain.js'
-import { makeRoom, sizeSettled } from '../convert.js'
-import { promptText, tagName, toggleAllValue } from '../rows.js'
+import { ChainError, POWER_LORA_LOADER, orderChain, planConversion, rowsOf } from '../../web/chain.js'
+import { makeRoom, sizeSettled } from '../../web/convert.js'
+import { promptText, tagName, toggleAllValue } from '../../web/rows.js'
 
 const row = (lora, sm = 1, sc = sm, enabled = true) => ({ enabled, lora, strength_model: sm, strength_clip: sc })
 

@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
-import { PresetMenu } from '../preset_menu.js'
-import { PRESET_DIR, presetsInTree } from '../presets.js'
+import { PresetMenu } from '../../web/preset_menu.js'
+import { PRESET_DIR, presetsInTree } from '../../web/presets.js'
 
 /** The user's data as ComfyUI 0.28's routes answer for it (app/user_manager.py): `GET /userdata?dir=` lists the files
  * under a folder, 404 where the folder does not exist (the frontend's `listUserDataFullInfo` then answers []);

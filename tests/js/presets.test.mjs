@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
-import { MAX_NAME, presetName, presetNames, presetOf, presetPath, rowsOfPreset } from '../presets.js'
-import { NONE } from '../rows.js'
+import { MAX_NAME, presetName, presetNames, presetOf, presetPath, rowsOfPreset } from '../../web/presets.js'
+import { NONE } from '../../web/rows.js'
 
 const row = (lora, sm = 1, sc = sm, enabled = true, extra = {}) => ({ enabled, lora, strength_model: sm,
   strength_clip: sc, ...extra })

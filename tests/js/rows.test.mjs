@@ -5,7 +5,7 @@ import {
   ALL_FIELDS, AUTO, DEFAULT_ROW, NONE, SNAPSHOT_KEY, SNAPSHOT_VERSION, applyOrder, booleanValue, cleanRow, inPrompt, inferCount, inputName,
   makeSnapshot, orderAfterAdd, orderAfterMove, orderAfterRemove, parseInputName, promptInputs, readRows,
   lowView, nextTarget, readSnapshot, rowCapacity, rowValues, stackEntries,
-} from '../rows.js'
+} from '../../web/rows.js'
 
 const row = (lora, sm = 1, sc = sm, enabled = true) => ({ enabled, lora, strength_model: sm, strength_clip: sc })
 const A = row('a.safetensors', 0.8, 0.5)

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 
-import { badges, cacheLine, formatBytes, mark, metaText, rowStatus } from '../status.js'
+import { badges, cacheLine, formatBytes, mark, metaText, rowStatus } from '../../web/status.js'
 
 // The shape of GET /multilora/status (nodes/routes.py), trimmed to what the node reads.
 const STATUS = {
