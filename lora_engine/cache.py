@@ -6,17 +6,29 @@ and safe to read from another thread (ComfyUI's server thread polls its stats
 while the prompt worker loads). An adapter it has evicted while a model's slots or a stack still hold it is
 served again, not read again: one file is one `Adapter` for as long as any of it lives, so that a stack naming
 it twice, a grid and a conditioning's strengths all see one LoRA, and its bytes are held once.
+
+A file is read by one thread at a time: a `load` of a file that another thread is reading waits for that read and
+is served its adapter (counted in `joined`, and as a hit). Where that read fails, the waiting load reads the file
+itself, so that its own call raises its own error (or succeeds, where the file was being written meanwhile).
+
+`preload` reads a file ahead of the prompt that will load it (a server's prefetch of a queued prompt) and keeps it
+only where that evicts none of the `protected` files (the running prompt's): the cache's bounds hold, and a LoRA in
+use is never dropped for one that is not yet. It counts no hit and no miss: `hits` and `misses` count `load`s, and
+`misses` the loads that read their file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 from .adapter import Adapter, Converter, FileIdentity, load_adapter
 
@@ -38,9 +50,27 @@ class CacheStats:
     bytes: int
     max_items: int
     max_bytes: int
+    joined: int = 0  # loads served by another thread's read of the same file
+    reading: int = 0  # files being read now
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class Preload(str, Enum):
+    """What `AdapterCache.preload` did with a file."""
+
+    READ = "read"  # read, and kept
+    CACHED = "cached"  # already kept, held, or being read: nothing to do
+    NOT_KEPT = "not_kept"  # keeping it would evict a protected file, or it is larger than the byte budget
+
+
+class _Read:
+    """One read in flight: the thread that reads sets `adapter` (None where the read failed), then `done`."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.adapter: Adapter | None = None
 
 
 class AdapterCache:
@@ -48,10 +78,11 @@ class AdapterCache:
         self._lock = threading.RLock()
         self._items: OrderedDict[tuple, Adapter] = OrderedDict()
         self._alive: weakref.WeakValueDictionary[tuple, Adapter] = weakref.WeakValueDictionary()  # kept or in use
+        self._reading: dict[tuple, _Read] = {}
         self._bytes = 0
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.joined = 0
 
     def configure(self, *, max_items: int | None = None, max_bytes: int | None = None) -> None:
         with self._lock:
@@ -64,28 +95,94 @@ class AdapterCache:
     def load(self, path: str, *, name: str | None = None, convert: Converter | None = None,
              convert_id: str = "") -> Adapter:
         """The parsed adapter for `path`, read from disk only on a miss: one that was evicted while something still
-        holds it is taken back into the cache instead (a hit)."""
+        holds it is taken back into the cache instead (a hit), and one that another thread is reading is waited
+        for (a hit; read again here only where that read failed)."""
         key = (FileIdentity.of(path), convert_id)
-        with self._lock:
-            hit = self._items.get(key)
-            if hit is not None:
-                self._items.move_to_end(key)
-                self.hits += 1
-                return hit
-            held = self._alive.get(key)
-            if held is not None:
-                self.hits += 1
-                self._keep(key, held)
-                return held
-            self.misses += 1
-        adapter = load_adapter(path, name=name, convert=convert)
-        with self._lock:
-            held = self._alive.get(key)  # another thread read the same file meanwhile: serve one of the two
-            if held is not None:
-                adapter = held
-            self._alive[key] = adapter
-            self._keep(key, adapter)
+        while True:
+            with self._lock:
+                hit = self._items.get(key)
+                if hit is not None:
+                    self._items.move_to_end(key)
+                    self.hits += 1
+                    return hit
+                held = self._alive.get(key)
+                if held is not None:
+                    self.hits += 1
+                    self._keep(key, held)
+                    return held
+                pending = self._reading.get(key)
+                if pending is None:
+                    self.misses += 1
+                    pending = self._reading[key] = _Read()
+                    break
+                self.joined += 1
+            pending.done.wait()
+            if pending.adapter is not None:
+                with self._lock:
+                    self.hits += 1
+                    adapter = self._alive.setdefault(key, pending.adapter)
+                    if key in self._items:
+                        self._items.move_to_end(key)
+                    else:  # a preload that did not keep it: this load is the prompt's own, and keeps it
+                        self._keep(key, adapter)
+                return adapter
+            # The read failed: loop, and read it here (or join another thread's newer read).
+        with self._finishing(key, pending):
+            adapter = load_adapter(path, name=name, convert=convert)
+            with self._lock:
+                adapter = self._alive.setdefault(key, adapter)
+                self._keep(key, adapter)
+                pending.adapter = adapter
         return adapter
+
+    def preload(self, path: str, *, protected: Iterable[str] = (), name: str | None = None,
+                convert: Converter | None = None, convert_id: str = "") -> Preload:
+        """Read `path` into the cache ahead of its use, keeping it only where that evicts none of the files in
+        `protected` (paths; compared by real path) and it fits the byte budget. A file the count bound alone would
+        keep out is not read at all; one that turns out too large once read is dropped, and its first `load` reads
+        it again. Raises the read's `LoRAError` as `load` does. A `load` of the file meanwhile waits for this read
+        and is served its adapter, kept or not."""
+        key = (FileIdentity.of(path), convert_id)
+        guarded = {os.path.realpath(p) for p in protected}
+        with self._lock:
+            if key in self._items or key in self._alive or key in self._reading:
+                return Preload.CACHED
+            if not self._fits(0, guarded):
+                return Preload.NOT_KEPT
+            pending = self._reading[key] = _Read()
+        with self._finishing(key, pending):
+            adapter = load_adapter(path, name=name, convert=convert)
+            with self._lock:
+                adapter = self._alive.get(key, adapter)  # a load in another thread may have read it too
+                kept = key in self._items or self._fits(adapter.nbytes, guarded)
+                if kept and key not in self._items:
+                    self._alive[key] = adapter
+                    self._keep(key, adapter)
+                pending.adapter = adapter
+        return Preload.READ if kept else Preload.NOT_KEPT
+
+    def _fits(self, nbytes: int, protected: set[str]) -> bool:
+        """Whether one more adapter of `nbytes` could be kept without evicting a file in `protected`: the same LRU
+        walk as `_evict`, counted without removing anything. Call under the lock."""
+        count, total = len(self._items) + 1, self._bytes + nbytes
+        for (identity, _), adapter in self._items.items():
+            if count <= self.max_items and total <= self.max_bytes:
+                break
+            if identity.path in protected:
+                return False
+            count, total = count - 1, total - adapter.nbytes
+        return total <= self.max_bytes
+
+    @contextlib.contextmanager
+    def _finishing(self, key: tuple, pending: _Read):
+        """Around one read: whatever happens, the read leaves the registry and its waiters wake (to its adapter, or,
+        where it failed, to read the file themselves)."""
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading.pop(key, None)
+            pending.done.set()
 
     def _keep(self, key: tuple, adapter: Adapter) -> None:
         old = self._items.pop(key, None)
@@ -110,7 +207,7 @@ class AdapterCache:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self.hits, self.misses, self.evictions, len(self._items), self._bytes,
-                              self.max_items, self.max_bytes)
+                              self.max_items, self.max_bytes, self.joined, len(self._reading))
 
     def entries(self) -> list[dict]:
         with self._lock:

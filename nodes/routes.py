@@ -1,5 +1,6 @@
-"""Read-only routes under /multilora/: status, a LoRA's metadata, the LoRA library and its preview images. Names of
-files are accepted only as names inside the loras folders (`bridge.resolve`), and errors never show server paths."""
+"""Read-only routes under /multilora/: status, the files this worker holds, a LoRA's metadata, the LoRA library and
+its preview images. Names of files are accepted only as names inside the loras folders (`bridge.resolve`), and
+neither answers nor errors show server paths."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from . import bridge
 from .distill import fusion_log
 from .library import LIBRARY, MAX_PREVIEW, PreviewError
 from .library import etag as library_etag
+from .prefetch import PREFETCH
 
 
 def status() -> dict:
@@ -33,7 +35,16 @@ def status() -> dict:
         "hooks": hooks(),
         "fusions": fusion_log(),
         "hashes": default_hashes().stats(),  # the sha256 of LoRA files for lora_hashes: files hashed, cache hits
+        "prefetch": PREFETCH.stats(),  # the LoRA files of prompts queued behind a running one, read ahead
     }
+
+
+def resident() -> dict:
+    """What this worker holds warm, by the names a prompt gives them (`prompt_files`), for a router to check its
+    belief against: the base model files of ComfyUI's loaded models (`checkpoints/<name>`, `diffusion_models/<name>`)
+    and the LoRA files in the adapter cache (their names in the loras folders). Sorted; never a server path."""
+    loras = {name for e in default_cache().entries() if (name := bridge.name_in("loras", e["path"])) is not None}
+    return {"bases": bridge.loaded_bases(), "loras": sorted(loras)}
 
 
 def hooks() -> dict:
@@ -64,6 +75,11 @@ def json_safe(value):
 @routes.get("/multilora/status")
 async def get_status(request):
     return web.json_response(json_safe(status()))
+
+
+@routes.get("/multilora/resident")
+async def get_resident(request):
+    return web.json_response(resident())
 
 
 def lora_info(name: str) -> dict:

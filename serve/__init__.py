@@ -1,1 +1,1 @@
-"""Past one machine: what routes a ComfyUI prompt to the worker that already holds its models (`affinity`)."""
+"""Past one machine: ComfyUI workers on Ray Serve, each prompt routed to the worker that already holds its files."""

@@ -28,14 +28,11 @@ The ComfyUI checkout itself is never written to.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -46,10 +43,13 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from serve.process import (DEFAULT_COMFY_PATH, comfy_search_locations, die_with_parent, find_comfy_python,  # noqa: F401
+                           find_comfy_root, is_comfy_root)
+from serve.process import free_port as _free_port
+
 HOST = "127.0.0.1"
 PACK_DIR_NAME = "ComfyUI-MultiLoRA"
 MODEL_SUBDIRS = ("checkpoints", "loras", "diffusion_models", "vae", "clip")
-DEFAULT_COMFY_PATH = Path("~/comfy/ComfyUI").expanduser()
 PACK_ROOT = Path(__file__).resolve().parents[1]
 USER_PATHS = "extra_model_paths.yaml"  # a checkout's own list of model folders, which main.py always reads
 
@@ -143,38 +143,6 @@ class ComfyInterrupted(ComfyExecutionError):
 # locating ComfyUI
 
 
-def comfy_search_locations() -> list[Path]:
-    """The checkout candidates, in the order they are tried."""
-    out = []
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        out.append(Path(env).expanduser())
-    out.append(DEFAULT_COMFY_PATH)
-    return out
-
-
-def is_comfy_root(path: Path) -> bool:
-    return (path / "main.py").is_file() and (path / "comfy").is_dir()
-
-
-def find_comfy_root() -> Path | None:
-    for cand in comfy_search_locations():
-        if is_comfy_root(cand):
-            return cand.resolve()
-    return None
-
-
-def find_comfy_python(comfy_root: Path) -> str:
-    env = os.environ.get("COMFYUI_PYTHON")
-    if env:
-        return env
-    for rel in (".venv/bin/python", "venv/bin/python"):
-        cand = Path(comfy_root) / rel
-        if cand.exists():
-            return str(cand)
-    return sys.executable
-
-
 def python_has_module(python: str, module: str, timeout: float = 60.0) -> bool:
     try:
         res = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=timeout,
@@ -185,9 +153,7 @@ def python_has_module(python: str, module: str, timeout: float = 60.0) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return _free_port(HOST)
 
 
 def supported_cli_flags(comfy_root: Path) -> set[str]:
@@ -373,6 +339,24 @@ class ComfyServer:
             raise RuntimeError(f"this ComfyUI's cli_args.py lacks required flags: {missing}")
         return cmd + self.extra_args
 
+    def worker_flags(self) -> tuple[list[str], dict[str, str]]:
+        """The ComfyUI flags and environment that give a server started elsewhere (a serving worker, which picks its
+        own address and output folders) this server's models, custom nodes and user folder: its folders prepared,
+        and `command()` less the python, the address, the port, the output, input and temp folders and the
+        database."""
+        self.port = 0
+        self._prepare_dirs()
+        own = {"--listen", "--port", "--output-directory", "--input-directory", "--temp-directory", "--database-url"}
+        cmd, flags = self.command()[2:], []
+        while cmd:
+            flag = cmd.pop(0)
+            if flag in own:
+                cmd.pop(0)
+            elif flag not in ("--disable-auto-launch", "--cpu"):  # the worker says where it runs
+                flags.append(flag)
+        env = {"PYTHONPATH": str(self.workdir / "shims")} if self.torchaudio_stub else {}
+        return flags, env
+
     def start(self) -> "ComfyServer":
         """Start the server. Every other server this process started and still runs is first asked to free its
         models and cached outputs (`free`): a test session that runs a second server (the web tier's beside the
@@ -418,7 +402,7 @@ class ComfyServer:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -701,17 +685,6 @@ class _PortInUse(RuntimeError):
 
 
 _STARTED: "weakref.WeakSet[ComfyServer]" = weakref.WeakSet()  # the servers this process started (`start`)
-
-
-def _die_with_parent() -> None:
-    """In the server's process before ComfyUI starts: on Linux, be sent SIGTERM when the process that started it
-    dies (Linux tells the death of the thread that started it: start a server from a thread that outlives it), so
-    that a test session killed outright (no fixture's `stop` runs) leaves no server holding its models."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass  # no prctl here: `stop` remains the way a server ends
 
 
 def _node_sort_key(node_id: str):

@@ -35,17 +35,20 @@ from .bake import (
     unet_options,
 )
 from .errors import for_node, host_errors
-from .files import check_relative, file_state, filenames, folder_roots, load_lora, load_loras, lora_names, resolve
+from .files import (check_relative, file_state, filenames, folder_roots, load_lora, load_loras, lora_names,
+                    preload_lora, resolve)
 from .injection import applied
 from .models import TEXT_ENCODER_LAYER, reaches_model, reports
 from .patches import as_patches
 from .save import DTYPES as SAVE_DTYPES, save_stack, save_target
-from .status import cells_that_fit, loaded_models, prompt_server, server_routes, watch_prompts
+from .status import (cells_that_fit, loaded_bases, loaded_models, name_in, on_queue, prompt_server, running_prompts,
+                     server_routes, watch_prompts)
 
 __all__ = [
     "SAFETENSORS", "SAVE_DTYPES", "TEXT_ENCODER_LAYER", "Loaded", "applied", "apply_stack", "as_patches", "bake",
     "bake_path", "bake_target", "cells_that_fit", "check_interrupt", "check_relative", "file_state", "filenames",
-    "folder_roots", "for_node", "host_errors", "load_lora", "load_loras", "load_unet", "loaded_models", "lora_names",
-    "progress", "prompt_server", "reaches_model", "refuse_quantized", "reports", "resolve", "save_stack", "save_target",
-    "server_routes", "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
+    "folder_roots", "for_node", "host_errors", "load_lora", "load_loras", "load_unet", "loaded_bases", "loaded_models",
+    "lora_names", "name_in", "on_queue", "preload_lora", "progress", "prompt_server", "reaches_model",
+    "refuse_quantized", "reports", "resolve", "running_prompts", "save_stack", "save_target", "server_routes",
+    "stored_weights", "unet_keymap", "unet_options", "watch_prompts",
 ]

@@ -7,7 +7,7 @@ file inside one of the folder's configured directories.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import comfy.lora_convert
 import comfy.model_management
@@ -15,6 +15,7 @@ import comfy.utils
 import folder_paths
 
 from ...lora_engine import Adapter, LoRAFileError, default_cache
+from ...lora_engine.cache import Preload
 
 MAX_NAME = 1024
 
@@ -96,6 +97,14 @@ def load_lora(name: str) -> Adapter:
     """The parsed adapter for a name in the loras folders, from the process-wide cache."""
     adapter = default_cache().load(resolve("loras", name), name=name, convert=_convert, convert_id="comfy")
     return adapter
+
+
+def preload_lora(name: str, protected: Collection[str]) -> Preload:
+    """Read a name in the loras folders into the process-wide cache ahead of the prompt that names it, as `load_lora`
+    reads it (so that its load then finds it), kept only where that evicts none of the `protected` paths
+    (`AdapterCache.preload`). Raises the `LoRAFileError` or `LoRAFormatError` that `load_lora` would."""
+    return default_cache().preload(resolve("loras", name), protected=protected, name=name, convert=_convert,
+                                   convert_id="comfy")
 
 
 def load_loras(names: Sequence[str]) -> list[Adapter]:

@@ -1,5 +1,5 @@
-"""serve/affinity.py: the affinity key of a prompt, from its base model files and its LoRA files, without order or
-strengths."""
+"""The files a prompt needs (lora_engine/stack/prompt_files.py) and its affinity key (serve/affinity.py), without
+order or strengths."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from serve.affinity import KEY_CHARS, Affinity, affinity, affinity_key
+from lora_engine.stack.prompt_files import PromptFiles, prompt_files
+from serve.affinity import KEY_CHARS, affinity_key, key
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "examples" / "workflows"
@@ -99,8 +100,8 @@ def test_every_example_is_listed():
 def test_example_workflow(name):
     p = json.loads((WORKFLOWS / name).read_text(encoding="utf-8"))
     bases, loras = EXAMPLES[name]
-    assert affinity(p) == Affinity(frozenset(bases), frozenset(loras))
-    assert affinity_key(p) == Affinity(frozenset(bases), frozenset(loras)).key
+    assert prompt_files(p) == PromptFiles(frozenset(bases), frozenset(loras))
+    assert affinity_key(p) == key(PromptFiles(frozenset(bases), frozenset(loras)))
 
 
 # (case, prompt, bases, loras): the exact sets a prompt's key is made of.
@@ -181,7 +182,7 @@ CASES = [
 
 @pytest.mark.parametrize(("case", "p", "bases", "loras"), CASES, ids=[c[0] for c in CASES])
 def test_sets(case, p, bases, loras):
-    assert affinity(p) == Affinity(frozenset(bases), frozenset(loras))
+    assert prompt_files(p) == PromptFiles(frozenset(bases), frozenset(loras))
 
 
 def _swapped_rows(p: dict) -> dict:
@@ -225,22 +226,22 @@ def test_key(case, one, other, same):
 
 
 @pytest.mark.parametrize(("one", "other"), [
-    (Affinity(bases=frozenset({"a"})), Affinity(loras=frozenset({"a"}))),  # bases and LoRAs kept apart
-    (Affinity(loras=frozenset({"a,b"})), Affinity(loras=frozenset({"a", "b"}))),  # names never run together
-    (Affinity(loras=frozenset({"a"})), Affinity(loras=frozenset({"a "}))),
+    (PromptFiles(bases=frozenset({"a"})), PromptFiles(loras=frozenset({"a"}))),  # bases and LoRAs kept apart
+    (PromptFiles(loras=frozenset({"a,b"})), PromptFiles(loras=frozenset({"a", "b"}))),  # names never run together
+    (PromptFiles(loras=frozenset({"a"})), PromptFiles(loras=frozenset({"a "}))),
 ])
 def test_sets_never_collide(one, other):
-    assert one.key != other.key
+    assert key(one) != key(other)
 
 
 def test_key_is_short_hex_and_pinned():
     p = json.loads((WORKFLOWS / "multilora_api.json").read_text(encoding="utf-8"))
-    key = affinity_key(p)
-    assert len(key) == KEY_CHARS == 16 and int(key, 16) >= 0
+    k = affinity_key(p)
+    assert len(k) == KEY_CHARS == 16 and int(k, 16) >= 0
     # The key of a prompt never changes between releases unless its definition does: a router and its workers may
     # run different processes and versions.
-    assert key == "9f0e6cd0df62075b"
-    assert affinity_key({}) == Affinity().key == "73634d491714e286"
+    assert k == "9f0e6cd0df62075b"
+    assert affinity_key({}) == key(PromptFiles()) == "73634d491714e286"
 
 
 def test_key_is_the_same_in_another_process_without_comfy():
@@ -262,4 +263,4 @@ def test_key_is_the_same_in_another_process_without_comfy():
 
 def test_not_a_prompt():
     with pytest.raises(TypeError, match=r"got list; pass the \"prompt\" field"):
-        affinity([])  # type: ignore[arg-type]
+        prompt_files([])  # type: ignore[arg-type]
