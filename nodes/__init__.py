@@ -68,5 +68,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 if bridge.prompt_server() is not None:  # none where a script imports ComfyUI's modules and loads the pack in-process
     from . import routes  # noqa: F401  (registers the routes on the server)
     bridge.watch_prompts(keep_warning.warnings, keep_warning.EVENT)  # a save or merge after a runtime stack
-    bridge.on_queue(prefetch.PREFETCH.queued)  # a prompt queued behind a running one finds its LoRAs read
+    if prefetch.enabled():
+        bridge.on_queue(prefetch.PREFETCH.queued)  # a prompt queued behind a running one finds its LoRAs read
     library.warm_up()  # the picker's first open finds the summaries read

@@ -19,7 +19,8 @@ flight (the cache reads a file once), or reads the file itself.
 - ComfyUI runs its on-prompt hook before it validates the prompt: a prompt it then refuses has had its files read
   ahead all the same (files of the loras folders, into the cache only).
 
-`stats()` is the "prefetch" part of GET /multilora/status: prompts read ahead for, files read (and kept), files
+$MULTILORA_PREFETCH=0 in ComfyUI's environment turns it off (`enabled`). `stats()` is the "prefetch" part of
+GET /multilora/status: prompts read ahead for, files read (and kept), files
 found already cached (kept, held by a model, or being read), files not kept, files that failed, and prompts waiting
 for the thread.
 """
@@ -27,6 +28,7 @@ for the thread.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterable, Mapping
@@ -41,6 +43,12 @@ from . import bridge
 log = logging.getLogger("multilora")
 
 COUNTERS = ("prompts", "read", "cached", "not_kept", "failed")
+ENV = "MULTILORA_PREFETCH"  # "0", "off" or "false" in ComfyUI's environment: no reading ahead
+
+
+def enabled() -> bool:
+    """Whether the server reads ahead ($MULTILORA_PREFETCH unset, or anything but 0, off, false, no)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class Prefetcher:

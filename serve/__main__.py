@@ -36,6 +36,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                          "folder under the temporary directory, the same path on every machine)")
     ap.add_argument("--queue", type=int, default=2,
                     help="prompts one worker takes at once: one sampling, the rest read ahead (default 2)")
+    ap.add_argument("--routing", choices=("load", "affinity"), default="load",
+                    help="load: Ray's routing by the workers' queues alone (default); affinity: each prompt's affinity "
+                         "key as its multiplexed model id, sent to a worker that ran the same files (docs/serve.md: "
+                         "measured slower under load, for now)")
     ap.add_argument("comfy_args", nargs="*", help="after --: ComfyUI flags for every worker")
     args = ap.parse_args(argv)
     if args.workers < 1 or args.queue < 1:
@@ -53,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = WorkerSettings(
         workdir=args.workdir or tempfile.mkdtemp(prefix="multilora-serve-"), cpu=args.gpus_per_worker == 0,
         host=args.worker_host, args=tuple(args.comfy_args))
+    if settings.cpu and not os.environ.get("RAY_ADDRESS") and "OMP_NUM_THREADS" not in settings.env:
+        # CPU workers on this machine share its cores: each its share, not each all of them (two workers with
+        # every core each took four times as long per prompt here as alone).
+        threads = str(max(1, (os.cpu_count() or 1) // args.workers))
+        settings.env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build(settings, args.workers, args.gpus_per_worker, args.queue), name="multilora",
-              route_prefix="/")
-    print(f"[MultiLoRA] {args.workers} ComfyUI workers serving at http://{args.host}:{args.port} "
+    serve.run(build(settings, args.workers, args.gpus_per_worker, args.queue, affinity=args.routing == "affinity"),
+              name="multilora", route_prefix="/")
+    print(f"[MultiLoRA] {args.workers} ComfyUI workers, routed by {args.routing}, at http://{args.host}:{args.port} "
           f"(POST /prompt, /generate; GET /history/<id>, /view, /object_info); workers' folders in "
           f"{settings.workdir}", flush=True)
     if os.environ.get("RAY_ADDRESS"):

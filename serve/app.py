@@ -64,8 +64,9 @@ def _failed_entry(prompt_id: str, message: str) -> dict:
 class Gateway:
     """The ingress: one replica, which remembers where each prompt went."""
 
-    def __init__(self, workers: DeploymentHandle):
+    def __init__(self, workers: DeploymentHandle, affinity: bool = True):
         self.workers = workers
+        self.affinity = affinity  # False: no key, Ray's routing by load alone (bench/serve_bench.py compares)
         self.prompts: OrderedDict[str, Placed] = OrderedDict()
         self.images: OrderedDict[tuple[str, str, str], str] = OrderedDict()  # (type, subfolder, filename) → url
         self.seen: dict[str, dict] = {}  # worker → {"url", "keys"}
@@ -82,7 +83,7 @@ class Gateway:
         if not isinstance(body, dict):
             return None, _error(400, "invalid_prompt", "the body is a JSON object, as ComfyUI's POST /prompt takes")
         prompt = body.get("prompt")
-        files = prompt_files(prompt) if isinstance(prompt, dict) else None  # else ComfyUI's validation answers
+        files = prompt_files(prompt) if self.affinity and isinstance(prompt, dict) else None  # else: no key
         key = affinity_key(files) if files and (files.bases or files.loras) else ""  # needs nothing: any worker
         stream = self.workers.options(multiplexed_model_id=key, stream=True).run.remote(body)
         try:
@@ -205,13 +206,13 @@ class Gateway:
 
 
 def build(settings: WorkerSettings, workers: int, gpus_per_worker: float = 0.0,
-          max_ongoing_requests: int = 2) -> serve.Application:
+          max_ongoing_requests: int = 2, affinity: bool = True) -> serve.Application:
     """The application: `workers` replicas of ComfyWorker, each with `gpus_per_worker` GPUs, behind the ingress.
     A worker takes `max_ongoing_requests` prompts at once (one sampling, the next read ahead while it samples); Ray
-    sends a prompt elsewhere when the workers holding its key are full."""
+    sends a prompt elsewhere when the workers holding its key are full. Without `affinity` no prompt carries a key."""
     worker = serve.deployment(ComfyWorker).options(
         name="ComfyWorker", num_replicas=workers, max_ongoing_requests=max_ongoing_requests,
         # The replica's own environment too (its cache size, $COMFYUI_PATH), on whatever machine Ray places it.
         ray_actor_options={"num_gpus": gpus_per_worker, "num_cpus": 0, "runtime_env": {"env_vars": settings.env}},
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=20.0)
-    return Gateway.bind(worker.bind(settings))
+    return Gateway.bind(worker.bind(settings), affinity)
