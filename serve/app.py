@@ -59,7 +59,14 @@ def _failed_entry(prompt_id: str, message: str) -> dict:
                              "exception_message": message, "node_id": None, "traceback": []}]]}}}
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+# Ray's router, in the ingress, waits up to this long (1 s by default, randomized up to twice that, with backoff) for a
+# full worker that holds a prompt's key: measured on bench/serve_bench.py's trace, that wait left the other worker
+# idle, and p50 went from 3.97 s to 107.7 s (docs/serve.md).
+MATCHING_TIMEOUT = {"RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S": "0.1"}
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000,
+                  ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": MATCHING_TIMEOUT}})
 @serve.ingress(api)
 class Gateway:
     """The ingress: one replica, which remembers where each prompt went."""
