@@ -69,5 +69,6 @@ if bridge.prompt_server() is not None:  # none where a script imports ComfyUI's 
     from . import routes  # noqa: F401  (registers the routes on the server)
     bridge.watch_prompts(keep_warning.warnings, keep_warning.EVENT)  # a save or merge after a runtime stack
     if prefetch.enabled():
-        bridge.on_queue(prefetch.PREFETCH.queued)  # a prompt queued behind a running one finds its LoRAs read
+        # A prompt queued behind a running one finds its LoRAs read.
+        bridge.on_queue(lambda prompt, _client: prefetch.PREFETCH.queued(prompt))
     library.warm_up()  # the picker's first open finds the summaries read

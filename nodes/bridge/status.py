@@ -120,32 +120,27 @@ def cells_that_fit(model, samples) -> int:
 
 
 def watch_prompts(check, event: str) -> None:
-    """Run `check(prompt)` on each prompt queued (ComfyUI's on-prompt hook); each warning it returns (a dict with a
-    "message") goes to the server log and, as `event`, to the browser that queued the prompt. A check that fails
-    is ComfyUI's to log: the prompt is queued as it was."""
+    """Run `check(prompt)` on each prompt queued (`on_queue`); each warning it returns (a dict with a "message") goes
+    to the server log and, as `event`, to the browser that queued the prompt. A check that fails is ComfyUI's to
+    log: the prompt is queued as it was."""
     server = _running_server()
 
-    def on_prompt(json_data):
-        prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
-        if isinstance(prompt, dict):
-            for warning in check(prompt):
-                log.warning("[MultiLoRA] %s", warning["message"])
-                server.send_sync(event, warning, json_data.get("client_id"))
-        return json_data
+    def warn(prompt: dict, client_id) -> None:
+        for warning in check(prompt):
+            log.warning("[MultiLoRA] %s", warning["message"])
+            server.send_sync(event, warning, client_id)
 
-    server.add_on_prompt_handler(on_prompt)
+    on_queue(warn)
 
 
 def on_queue(take) -> None:
-    """Run `take(prompt)` on each API-format prompt posted to the server (ComfyUI's on-prompt hook, which runs in
-    the server's event loop before the prompt is validated and queued): `take` must return at once. Where it raises,
-    ComfyUI logs it and queues the prompt as it was."""
-    server = _running_server()
-
+    """Run `take(prompt, client_id)` on each API-format prompt posted to the server (ComfyUI's on-prompt hook, which
+    runs in the server's event loop before the prompt is validated and queued): `take` must return at once. Where it
+    raises, ComfyUI logs it and queues the prompt as it was."""
     def on_prompt(json_data):
         prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
         if isinstance(prompt, dict):
-            take(prompt)
+            take(prompt, json_data.get("client_id"))
         return json_data
 
-    server.add_on_prompt_handler(on_prompt)
+    _running_server().add_on_prompt_handler(on_prompt)
