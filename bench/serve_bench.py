@@ -1,17 +1,19 @@
-"""Serving on Ray Serve, side by side in one run: routed by affinity, by Ray without ids, and every stack warm.
+"""Serving on Ray Serve, side by side in one run: routed by files, by affinity key, by load, and every stack warm.
 
     python bench/serve_bench.py                      # 120 prompts, 24 LoRAs, two CPU workers; then prefetch
     python bench/serve_bench.py --prompts 200 --rank 64 --out serve.json
 
 One seeded trace: each prompt a stack of 1 to 3 of `--loras` synthetic SD1.5 LoRAs (kohya, rank `--rank`, drawn
 Zipf-like, exponent `--zipf`) on the synthetic checkpoint, 64×64, `--steps` steps; arrivals Poisson at `--load` of
-the two workers' capacity, measured first (prompts per second of one warm stack, two in flight). Three arms, each on a fresh
-local Ray with two fresh workers whose base model is loaded before the trace starts:
-- `affinity`: serve/'s ingress as it is (each prompt's affinity key as its multiplexed_model_id);
-- `no ids`: the same ingress with no key, so Ray routes by load alone;
-- `all warm`: no key, and every worker's cache (made large enough) holding every LoRA before the trace: the limit.
+the two workers' capacity, measured first (prompts per second of one warm stack, two in flight). The arms, each on a
+fresh local Ray with two fresh workers whose base model is loaded before the trace starts:
+- `files`: serve/'s ingress as it is, the pack's router (`serve/router.py`); `files slack 1` the same with slack 1;
+- `affinity`: each prompt's affinity key as its multiplexed_model_id, Ray's own router;
+- `no ids` (`--routing load`): Ray routes by load alone;
+- `all warm`: by load, and every worker's cache (made large enough) holding every LoRA before the trace: the limit.
 Per arm: LoRA files read and base models loaded per 100 prompts (the workers' cache misses and reads ahead;
-"model_type" lines in their logs), p50 and p95 latency (send to image), throughput. Then, on one server, what one cold LoRA file costs a
+"model_type" lines in their logs), the reads beyond the first read of each file the trace names (no router avoids
+those: the workers start with no LoRA), p50 and p95 latency (send to image), throughput. Then, on one server, what one cold LoRA file costs a
 prompt (`cold`), and prefetch: two prompts with
 different cold stacks posted back to back, the time from the second's post to its image, with and without
 $MULTILORA_PREFETCH, and the LoRA files the second read itself.
@@ -27,8 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,13 +82,9 @@ def make_trace(n: int, names: list[str], zipf: float, seed: int) -> list[list[tu
 
 
 def http(url: str, body: dict | None = None, timeout: float = 900.0):
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    """(status, JSON answer) of a request; `/generate` waits for the image, hence the timeout."""
+    status, out = cs.fetch(url, body, timeout)
+    return status, out if isinstance(out, dict) else {}
 
 
 def reads(url: str) -> int:
@@ -102,7 +98,11 @@ def base_loads(workdir: Path) -> int:
                for d in workdir.iterdir() if (d / "comfyui.log").is_file())
 
 
-def arm(name: str, args, trace, models: Path, rate: float | None, affinity: bool, warm: list[str]) -> dict:
+ROUTING = {"files": ("files", 0), "files slack 1": ("files", 1), "affinity": ("affinity", 0), "no ids": ("load", 0),
+           "all warm": ("load", 0)}
+
+
+def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str]) -> dict:
     """One arm on a fresh local Ray with two fresh workers; with `rate` None, the calibration of the two workers'
     throughput instead."""
     import ray
@@ -124,7 +124,8 @@ def arm(name: str, args, trace, models: Path, rate: float | None, affinity: bool
     try:
         port = cs.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(settings, workers=2, affinity=affinity), name="multilora", route_prefix="/")
+        routing, slack = ROUTING.get(name, ("load", 0))
+        serve.run(build(settings, workers=2, routing=routing, slack=slack), name="multilora", route_prefix="/")
         ingress = f"http://127.0.0.1:{port}"
         urls = {d.name: (d / "url").read_text().strip() for d in (work / "workers").iterdir()}
         for url in urls.values():  # each worker's base model loaded (and, for `all warm`, every LoRA read)
@@ -159,8 +160,10 @@ def arm(name: str, args, trace, models: Path, rate: float | None, affinity: bool
         read = sum(reads(u) for u in urls.values()) - read0
         loads = base_loads(work / "workers") - loads0
         n = len(trace)
+        first = 0 if warm else len({f for stack in trace for f, _ in stack})
         return {"arm": name, "ok": len(lat), "failed": n - len(lat),
-                "lora_reads_per_100": round(100 * read / n, 1), "base_loads_per_100": round(100 * loads / n, 1),
+                "lora_reads_per_100": round(100 * read / n, 1), "beyond_first_per_100": round(100 * (read - first) / n, 1),
+                "base_loads_per_100": round(100 * loads / n, 1),
                 "p50_s": round(statistics.median(lat), 2), "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 2),
                 "throughput_per_min": round(60 * len(lat) / span, 2),
                 "per_worker": {w: sum(1 for r in results if r[3] == w) for w in urls}}
@@ -227,7 +230,8 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of the workers' capacity")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", default="affinity,no ids,all warm,cold,prefetch")
+    ap.add_argument("--arms", default="files,no ids,all warm,cold,prefetch",
+                    help=f"of {', '.join([*ROUTING, 'cold', 'prefetch'])}")
     ap.add_argument("--out", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args()
     root = cs.find_comfy_root()
@@ -251,15 +255,15 @@ def main() -> int:
     trace = make_trace(args.prompts, names, args.zipf, args.seed)
     figures = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "arms": []}
     arms = [a.strip() for a in args.arms.split(",")]
-    if set(arms) & {"affinity", "no ids", "all warm"}:
-        capacity = arm("calibration", args, trace, models, None, affinity=False, warm=[])["throughput_per_s"]
+    if set(arms) & set(ROUTING):
+        capacity = arm("calibration", args, trace, models, None, warm=[])["throughput_per_s"]
         rate = args.load * capacity
         figures["capacity_per_s"], figures["arrivals_per_s"] = round(capacity, 3), round(rate, 3)
         print(f"two workers busy with one warm stack: {capacity:.3f} prompts/s; arrivals {rate:.3f}/s "
               f"({args.load:.0%})", flush=True)
-        for name in ("affinity", "no ids", "all warm"):
+        for name in ROUTING:
             if name in arms:
-                row = arm(name, args, trace, models, rate, affinity=name == "affinity",
+                row = arm(name, args, trace, models, rate,
                           warm=sorted({n for stack in trace for n, _ in stack}) if name == "all warm" else [])
                 figures["arms"].append(row)
                 print(json.dumps(row), flush=True)

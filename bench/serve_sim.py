@@ -1,5 +1,5 @@
-"""Routing by affinity at 2, 8 and 64 workers, simulated: the trace of bench/serve_bench.py, Ray Serve's multiplexed
-routing as docs/serve.md states it, and the costs serve_bench.py measured.
+"""Routing at 2, 8 and 64 workers, simulated: the trace of bench/serve_bench.py, the pack's router and Ray Serve's
+routings as docs/serve.md states them, and the costs serve_bench.py measured.
 
     python bench/serve_sim.py --costs serve.json                  # the figures of docs/serve.md
     python bench/serve_sim.py --warm-s 3.1 --file-s 0.4 --workers 2,8,64 --library 24,240
@@ -7,6 +7,8 @@ routing as docs/serve.md states it, and the costs serve_bench.py measured.
 No ComfyUI and no Ray: an event simulation, any python. Each worker takes `--queue` prompts at once and samples one
 at a time; a prompt costs the warm time, plus the cost of each of its LoRA files the worker's cache (an LRU of
 `--cache` files) does not hold. The router, per arriving prompt:
+- `files` (and `files, slack 1`): serve/ranking.py's order, given each worker's queue and the files its cache holds
+  or its waiting prompts will read; the first worker if it has room;
 - `affinity`: a worker holding the prompt's key with room (the shortest queue among them); else the workers holding
   the fewest keys, if one has room; else, once the prompt has waited the matching timeout (1 s), any worker with
   room. A worker holds the keys of the prompts it took, the last `--keys` of them. The key is serve/affinity.py's:
@@ -16,8 +18,8 @@ at a time; a prompt costs the warm time, plus the cost of each of its LoRA files
 - `no ids`: two workers drawn at random, the one with the shorter queue (Ray's power of two choices), if it has room;
 - `all warm`: as `no ids`, with every file in every cache from the start: the limit.
 A prompt that finds no worker waits in arrival order. Arrivals are Poisson at `--load` of the workers' capacity
-(workers / warm time). Reads ahead are not modelled: a cold file costs its prompt its read. Printed per run: files read per 100 prompts, the share of LoRA files found warm, p50 and p95
-latency.
+(workers / warm time). Reads ahead are not modelled: a cold file costs its prompt its read. Printed per run: files
+read per 100 prompts, the share of LoRA files found warm, p50 and p95 latency.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_bench import make_trace  # noqa: E402  (the same generator as the measured trace)
+from serve_bench import make_trace  # noqa: E402  (the same generator as the measured trace; puts the repo on the path)
+
+from serve import ranking  # noqa: E402  (the pack's router's own rule)
 
 MATCHING_TIMEOUT_S = 1.0
 
@@ -94,6 +98,13 @@ def simulate(policy: str, trace, workers: int, args, rng: random.Random) -> dict
         room = [w for w in pool if w.load() < args.queue]
         if not room:
             return None
+        if policy.startswith("files"):
+            slack = 1 if policy.endswith("1") else 0
+            views = [ranking.Worker(str(k), w.load(), w.load() < args.queue,
+                                    loras=frozenset(w.cache).union(*(files_of[j] for j in w.waiting)))
+                     for k, w in enumerate(pool)]
+            first = pool[int(ranking.rank(frozenset(), files_of[i], views, slack)[0])]
+            return first if first.load() < args.queue else None
         if policy not in ("affinity", "anchor"):
             a, b = rng.choice(pool), rng.choice(pool)
             pick = min((a, b), key=Worker.load)
@@ -180,7 +191,7 @@ def main() -> int:
         for workers in (int(x) for x in args.workers.split(",")):
             for n in ([args.prompts] if args.prompts else [120, 60 * workers]):
                 trace = make_trace(n, names, args.zipf, args.seed)
-                for policy in ("affinity", "anchor", "no ids", "all warm"):
+                for policy in ("files", "files, slack 1", "affinity", "anchor", "no ids", "all warm"):
                     row = simulate(policy, trace, workers, args, random.Random(args.seed + 1))
                     print(json.dumps({"library": library, **row}), flush=True)
     return 0

@@ -239,15 +239,17 @@ def default_cache() -> AdapterCache:
     global _default
     with _default_lock:
         if _default is None:
-            _default = AdapterCache(max_items=_env_size(ENV_MAX_ITEMS, DEFAULT_MAX_ITEMS, minimum=1),
-                                    max_bytes=_env_size(ENV_MAX_BYTES, DEFAULT_MAX_BYTES, minimum=0))
+            _default = AdapterCache(max_items=env_size(ENV_MAX_ITEMS, DEFAULT_MAX_ITEMS, minimum=1),
+                                    max_bytes=env_size(ENV_MAX_BYTES, DEFAULT_MAX_BYTES, minimum=0))
         return _default
 
 
 _SIZE = re.compile(r"(\d+)\s*([kmg]i?b?)?", re.IGNORECASE)
 
 
-def _env_size(name: str, default: int, *, minimum: int) -> int:
+def env_size(name: str, default: int, *, minimum: int) -> int:
+    """The size in $`name` (an integer, optionally with a K, M or G suffix), at least `minimum`; `default` where
+    unset or unreadable (with a warning)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default

@@ -36,14 +36,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
                          "folder under the temporary directory, the same path on every machine)")
     ap.add_argument("--queue", type=int, default=2,
                     help="prompts one worker takes at once: one sampling, the rest read ahead (default 2)")
-    ap.add_argument("--routing", choices=("load", "affinity"), default="load",
-                    help="load: Ray's routing by the workers' queues alone (default); affinity: each prompt's affinity "
-                         "key as its multiplexed model id, sent to a worker that ran the same files (docs/serve.md: "
-                         "on varied stacks it read no fewer files, measured)")
+    ap.add_argument("--routing", choices=("files", "load", "affinity"), default="files",
+                    help="files: each prompt to the worker holding most of its files, among the least loaded "
+                         "(default); load: Ray's routing by the workers' queues alone; affinity: each prompt's "
+                         "affinity key as its multiplexed model id (docs/serve.md compares them, measured)")
+    ap.add_argument("--slack", type=int, default=0,
+                    help="with --routing files: how many more prompts a worker holding more of a prompt's files may "
+                         "have queued than the least loaded one and still be chosen first (default 0)")
     ap.add_argument("comfy_args", nargs="*", help="after --: ComfyUI flags for every worker")
     args = ap.parse_args(argv)
-    if args.workers < 1 or args.queue < 1:
-        ap.error("--workers and --queue are at least 1")
+    if args.workers < 1 or args.queue < 1 or args.slack < 0:
+        ap.error("--workers and --queue are at least 1, --slack at least 0")
     return args
 
 
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         settings.env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build(settings, args.workers, args.gpus_per_worker, args.queue, affinity=args.routing == "affinity"),
+    serve.run(build(settings, args.workers, args.gpus_per_worker, args.queue, routing=args.routing,
+                    slack=args.slack),
               name="multilora", route_prefix="/")
     print(f"[MultiLoRA] {args.workers} ComfyUI workers, routed by {args.routing}, at http://{args.host}:{args.port} "
           f"(POST /prompt, /generate; GET /history/<id>, /view, /object_info); workers' folders in "

@@ -1,11 +1,13 @@
 """The serving application: an ingress that speaks ComfyUI's API in front of N ComfyUI workers on Ray Serve.
 
-`POST /prompt` takes a ComfyUI API body, computes its prompt's affinity key and hands the body to the workers'
-deployment with that key as `multiplexed_model_id`; Ray picks the worker. ComfyUI's answer comes back as it gave it
+`POST /prompt` takes a ComfyUI API body, computes the files its prompt needs (`prompt_files`) and hands the body to
+the workers' deployment with them; Ray picks the worker, through the pack's router by default (`serve/router.py`),
+or by Ray's own routing with the prompt's affinity key as `multiplexed_model_id` (`routing="affinity"`), or by
+load alone (`routing="load"`). ComfyUI's answer comes back as it gave it
 (its validation errors, status 400, included). The ingress remembers which worker took each prompt, so that
 `GET /history/{prompt_id}` and `GET /view` of that prompt's images are read from that worker. `POST /generate`
 takes the same body, waits, and answers with the images. `GET /object_info` is any worker's.
-`GET /multilora/workers` is what the ingress has seen: each worker's address and the keys sent to it.
+`GET /multilora/workers` is what the ingress has seen: each worker's address and the LoRA files sent to it.
 
 Not carried: the `/ws` progress stream, `/queue`, `/interrupt`, `/upload`, `/history` without an id, and every
 other route of ComfyUI (docs/serve.md).
@@ -21,12 +23,16 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from lora_engine.stack.prompt_files import prompt_files
 
 from .affinity import key as affinity_key
+from .router import STATS_PERIOD_S, FileRouter
 from .worker import ComfyWorker, WorkerSettings
+
+ROUTINGS = ("files", "affinity", "load")
 
 REMEMBERED = 10_000  # prompts (and their images) whose worker the ingress remembers, the oldest forgotten first
 QUEUE_TIMEOUT_S = 300.0  # for a worker to take a prompt: every worker starting or full
@@ -71,9 +77,9 @@ MATCHING_TIMEOUT = {"RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S": "0.1"}
 class Gateway:
     """The ingress: one replica, which remembers where each prompt went."""
 
-    def __init__(self, workers: DeploymentHandle, affinity: bool = True):
+    def __init__(self, workers: DeploymentHandle, routing: str = "files"):
         self.workers = workers
-        self.affinity = affinity  # False: no key, Ray's routing by load alone (bench/serve_bench.py compares)
+        self.routing = routing  # as `build` says
         self.prompts: OrderedDict[str, Placed] = OrderedDict()
         self.images: OrderedDict[tuple[str, str, str], str] = OrderedDict()  # (type, subfolder, filename) → url
         self.seen: dict[str, dict] = {}  # worker → {"url", "keys"}
@@ -90,9 +96,10 @@ class Gateway:
         if not isinstance(body, dict):
             return None, _error(400, "invalid_prompt", "the body is a JSON object, as ComfyUI's POST /prompt takes")
         prompt = body.get("prompt")
-        files = prompt_files(prompt) if self.affinity and isinstance(prompt, dict) else None  # else: no key
-        key = affinity_key(files) if files and (files.bases or files.loras) else ""  # needs nothing: any worker
-        stream = self.workers.options(multiplexed_model_id=key, stream=True).run.remote(body)
+        files = prompt_files(prompt) if self.routing != "load" and isinstance(prompt, dict) else None
+        needs = {"bases": sorted(files.bases), "loras": sorted(files.loras)} if files else None
+        key = affinity_key(files) if files and self.routing == "affinity" and (files.bases or files.loras) else ""
+        stream = self.workers.options(multiplexed_model_id=key, stream=True).run.remote(body, files=needs)
         try:
             first = await asyncio.wait_for(stream.__anext__(), QUEUE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -100,11 +107,9 @@ class Gateway:
             return None, _error(503, "no_worker", f"no worker took the prompt within {QUEUE_TIMEOUT_S:.0f} s")
         except Exception as e:  # noqa: BLE001 (the worker's error, whatever it is, is the client's answer)
             return None, _error(502, "worker_error", str(e))
-        self.seen.setdefault(first["worker"], {"url": first["url"], "keys": []})["url"] = first["url"]
-        if key:
-            keys = self.seen[first["worker"]]["keys"]
-            if key not in keys:
-                keys.append(key)
+        seen = self.seen.setdefault(first["worker"], {"url": first["url"], "loras": []})
+        seen["url"] = first["url"]
+        seen["loras"] = sorted(set(seen["loras"]).union(needs["loras"] if needs else ()))
         return (first, stream), None
 
     def _remember(self, prompt_id: str, placed: Placed) -> None:
@@ -208,18 +213,25 @@ class Gateway:
 
     @api.get("/multilora/workers")
     async def workers_seen(self):
-        """Each worker the ingress has sent a prompt to: its address and the affinity keys sent to it."""
+        """Each worker the ingress has sent a prompt to: its address and the LoRA files of the prompts sent to it."""
         return JSONResponse(self.seen)
 
 
 def build(settings: WorkerSettings, workers: int, gpus_per_worker: float = 0.0,
-          max_ongoing_requests: int = 2, affinity: bool = True) -> serve.Application:
+          max_ongoing_requests: int = 2, routing: str = "files", slack: int = 0) -> serve.Application:
     """The application: `workers` replicas of ComfyWorker, each with `gpus_per_worker` GPUs, behind the ingress.
-    A worker takes `max_ongoing_requests` prompts at once (one sampling, the next read ahead while it samples); Ray
-    sends a prompt elsewhere when the workers holding its key are full. Without `affinity` no prompt carries a key."""
+    A worker takes `max_ongoing_requests` prompts at once (one sampling, the next read ahead while it samples).
+    `routing`: `files`, the pack's router (a prompt to the worker holding most of its files, among those within
+    `slack` prompts of the shortest queue); `affinity`, Ray's own router with each prompt's affinity key as its
+    multiplexed model id; `load`, Ray's own router with no key."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing {routing!r} is not one of {', '.join(ROUTINGS)}")
+    router = ({"request_router_config": RequestRouterConfig(
+        request_router_class=FileRouter, request_router_kwargs={"slack": slack},
+        request_routing_stats_period_s=STATS_PERIOD_S)} if routing == "files" else {})
     worker = serve.deployment(ComfyWorker).options(
-        name="ComfyWorker", num_replicas=workers, max_ongoing_requests=max_ongoing_requests,
+        name="ComfyWorker", num_replicas=workers, max_ongoing_requests=max_ongoing_requests, **router,
         # The replica's own environment too (its cache size, $COMFYUI_PATH), on whatever machine Ray places it.
         ray_actor_options={"num_gpus": gpus_per_worker, "num_cpus": 0, "runtime_env": {"env_vars": settings.env}},
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=20.0)
-    return Gateway.bind(worker.bind(settings), affinity)
+    return Gateway.bind(worker.bind(settings), routing)

@@ -6,10 +6,12 @@ write the same image file or database), and writes the server's address to `url`
 `pid`. The server stops with the replica; when it dies, the replica's health check fails and Ray starts a new
 replica, which starts a new server.
 
-Routing is Ray's: a request carries its prompt's affinity key as `multiplexed_model_id` (`serve/affinity.py`),
-`run` holds the key through `@serve.multiplexed`, and Ray sends the next request with that key to a replica that
-holds it, unless that replica is full (`max_ongoing_requests`), and then to the one holding the fewest keys. A
-request stays on its replica until its prompt is done, so Ray's count of ongoing requests is the worker's queue.
+Routing is Ray's, with the pack's router by default (`serve/router.py`): a request carries the files its prompt
+needs, and the replica reports the files its worker holds (`record_routing_stats`, from `GET /multilora/resident`).
+With `--routing affinity` a request carries its prompt's affinity key as `multiplexed_model_id` instead
+(`serve/affinity.py`), `run` holds the key through `@serve.multiplexed`, and Ray's own router prefers a replica that
+holds it. A request stays on its replica until its prompt is done, so Ray's count of ongoing requests is the
+worker's queue.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import aiohttp
 import ray
 from ray import serve
 
+from lora_engine.cache import DEFAULT_MAX_ITEMS, ENV_MAX_ITEMS, env_size
+
 from .process import ComfyProcess, find_comfy_python, find_comfy_root
 
-# The worker's LoRA cache holds $MULTILORA_CACHE_MAX_ITEMS files (lora_engine/cache.py, default 16); a key names
-# one file or more, so no more keys than files can be warm on one worker at once.
-MAX_KEYS = int(os.environ.get("MULTILORA_CACHE_MAX_ITEMS", "").strip() or 16)
+# The worker's LoRA cache holds $MULTILORA_CACHE_MAX_ITEMS files (lora_engine/cache.py); a key names one file or
+# more, so no more keys than files can be warm on one worker at once (--routing affinity).
+MAX_KEYS = env_size(ENV_MAX_ITEMS, DEFAULT_MAX_ITEMS, minimum=1)
 POLL_S = 0.2  # between two reads of a running prompt's history
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -96,9 +100,10 @@ class ComfyWorker:
         itself keeps (ComfyUI its models, the pack its LoRA cache)."""
         return key
 
-    async def run(self, body: dict):
+    async def run(self, body: dict, files: dict | None = None):
         """Queue `body` (a `POST /prompt` body) on this worker; yield ComfyUI's answer with this worker's name and
-        address, then, if it was queued, its history entry once it has finished."""
+        address, then, if it was queued, its history entry once it has finished. `files` (`{"bases", "loras"}`, the
+        prompt's files) is for the router, which reads it from the request."""
         key = serve.get_multiplexed_model_id()
         if key:
             await self._hold(key)
@@ -132,6 +137,17 @@ class ComfyWorker:
         self._check(None)
         async with self._http().get("/object_info") as r:
             return await r.read()
+
+    async def record_routing_stats(self) -> dict:
+        """What this worker holds (`GET /multilora/resident`: `{"bases", "loras"}`), for the router: Ray asks every
+        `serve.router.STATS_PERIOD_S`. Nothing while the server is down."""
+        if not self.comfy.alive():
+            return {}
+        try:
+            async with self._http().get("/multilora/resident") as r:
+                return await r.json(content_type=None) if r.status == 200 else {}
+        except aiohttp.ClientError:
+            return {}
 
     def check_health(self) -> None:
         """Ray's health check: a replica whose server has stopped is replaced."""

@@ -152,6 +152,31 @@ def python_has_module(python: str, module: str, timeout: float = 60.0) -> bool:
     return res.returncode == 0
 
 
+def _send(url: str, body: Any, method: str | None, timeout: float):
+    """Open one request to `url` (JSON `body` if given), never through a proxy: every server here is local or the
+    cluster's."""
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    headers = {} if body is None else {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"), headers=headers)
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout)
+
+
+def _decoded(raw: bytes, ctype: str):
+    if "json" in ctype:
+        return json.loads(raw.decode("utf-8")) if raw else None
+    return raw
+
+
+def fetch(url: str, body: Any = None, timeout: float = HTTP_TIMEOUT, method: str | None = None) -> tuple[int, Any]:
+    """(status, the answer: its JSON value, else its bytes) of one request to `url`; an HTTP error's status and answer
+    too, not raised."""
+    try:
+        with _send(url, body, method, timeout) as r:
+            return r.status, _decoded(r.read(), r.headers.get("Content-Type", ""))
+    except urllib.error.HTTPError as e:
+        return e.code, _decoded(e.read(), e.headers.get("Content-Type", ""))
+
+
 def free_port() -> int:
     return _free_port(HOST)
 
@@ -521,19 +546,8 @@ class ComfyServer:
     def _request(self, method: str, path: str, body: Any = None, timeout: float = HTTP_TIMEOUT):
         if self.port is None and self._url is None:
             raise RuntimeError("server not started")
-        data = None
-        headers = {}
-        if body is not None:
-            data = json.dumps(body).encode("utf-8")
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, never a proxy
-        with opener.open(req, timeout=timeout) as resp:
-            raw = resp.read()
-            ctype = resp.headers.get("Content-Type", "")
-        if "json" in ctype:
-            return json.loads(raw.decode("utf-8")) if raw else None
-        return raw
+        with _send(self.url + path, body, method, timeout) as resp:
+            return _decoded(resp.read(), resp.headers.get("Content-Type", ""))
 
     def get_json(self, path: str, timeout: float = HTTP_TIMEOUT):
         return self._request("GET", path, timeout=timeout)
