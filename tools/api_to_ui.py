@@ -3,6 +3,10 @@ for widget order, socket types and output names.
 
     python tools/api_to_ui.py examples/workflows/multilora_api.json examples/workflows/multilora.json
     python tools/api_to_ui.py IN OUT --url http://127.0.0.1:8188     # a running server
+
+Nodes are laid out on a grid of 360 × 320 canvas units, in the prompt's order; a node drawn taller or wider than
+that (the rows node, a sampler in Nodes 2.0) covers its neighbour, so an example written here is spaced after
+(tests/web/test_example_layout.py names any two nodes that overlap, in either renderer).
 """
 
 from __future__ import annotations

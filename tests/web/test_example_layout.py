@@ -1,0 +1,96 @@
+"""The example workflows as a user opens them, in ComfyUI's own frontend, in headless Chromium, against a real
+server: in the canvas renderer and in "Nodes 2.0" (Vue nodes), no node covers another, and in Nodes 2.0 at 80 % zoom
+the rows node's cache line is what the page shows at that line (the node below it in the example hid it).
+
+Node boxes are the frontend's own: in Nodes 2.0 each node's element (`[data-node-id]`), on the canvas each node's
+position and size with its title. The examples come from tools/api_to_ui.py's grid, spaced so that each row of nodes
+starts below the tallest node of the row above in either renderer (a failure names the two nodes and the overlap).
+Screenshots go to .artifacts/web/.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .support import page as P
+from .support import workflows as wf
+
+pytestmark = pytest.mark.web
+
+EXAMPLES = sorted(p for p in (Path(__file__).resolve().parents[2] / "examples" / "workflows").glob("*.json")
+                  if not p.name.endswith("_api.json"))
+LOAD = "async (w) => { await app.loadGraphData(w); app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0] }"
+# {node id: [left, top, right, bottom]}: on the page for Nodes 2.0, in canvas units (the title included) on the canvas.
+VUE_BOXES = """() => Object.fromEntries([...document.querySelectorAll('[data-node-id]')].map((e) => {
+  const b = e.getBoundingClientRect()
+  return [e.dataset.nodeId, [b.left, b.top, b.right, b.bottom]] }))"""
+CANVAS_BOXES = """() => Object.fromEntries(app.graph.nodes.map((n) => [String(n.id), [n.pos[0],
+  n.pos[1] - LiteGraph.NODE_TITLE_HEIGHT, n.pos[0] + n.size[0], n.pos[1] + n.size[1]]]))"""
+# What the page shows at the middle of the rows node's cache line: that line's element, or what covers it.
+AT_CACHE = """(id) => {
+  const cache = document.querySelector(`[data-multilora-node='${id}'] .mlora-cache`)
+  const b = cache.getBoundingClientRect()
+  const top = document.elementFromPoint(b.left + 8, (b.top + b.bottom) / 2)
+  return { shown: cache.contains(top), covered_by: top?.closest('[data-node-id]')?.dataset.nodeId ?? top?.tagName }
+}"""
+
+
+def overlaps(boxes: dict, types: dict) -> list[str]:
+    out = []
+    ids = sorted(boxes)
+    for i, a in enumerate(ids):
+        for c in ids[i + 1:]:
+            A, C = boxes[a], boxes[c]
+            dx, dy = min(A[2], C[2]) - max(A[0], C[0]), min(A[3], C[3]) - max(A[1], C[1])
+            if dx > 1 and dy > 1:  # a pixel of rounding is no overlap
+                out.append(f"{types.get(a)} #{a} and {types.get(c)} #{c} overlap by {dx:.0f}×{dy:.0f}")
+    return out
+
+
+@pytest.fixture(params=[False, True], ids=["canvas", "nodes 2.0"])
+def renderer(request, browser, web_server):
+    P.open_page(browser, web_server)
+    web_server.post_json("/settings/Comfy.VueNodes.Enabled", request.param)
+    try:
+        browser.call("reload", timeout=60_000, timeout_s=90)
+        P.wait_ready(browser)
+        assert browser.js("() => Boolean(LiteGraph.vueNodesMode)") is request.param
+        yield request.param
+    finally:
+        if request.param:
+            web_server.post_json("/settings/Comfy.VueNodes.Enabled", False)
+            browser.call("reload", timeout=60_000, timeout_s=90)
+            P.wait_ready(browser)
+
+
+def test_no_node_of_an_example_covers_another(browser, renderer, artifacts):
+    found = {}
+    for path in EXAMPLES:
+        ui = json.loads(path.read_text())
+        browser.js(LOAD, ui)
+        P.settle(browser, 1.5)
+        boxes = browser.js(VUE_BOXES if renderer else CANVAS_BOXES)
+        assert len(boxes) == len(ui["nodes"]), f"{path.name}: {len(boxes)} nodes drawn of {len(ui['nodes'])}"
+        bad = overlaps(boxes, {str(n["id"]): n["type"] for n in ui["nodes"]})
+        if bad:
+            found[path.name] = bad
+            browser.call("screenshot", path=str(artifacts / f"layout_{'vue' if renderer else 'canvas'}_{path.stem}.png"))
+    assert not found, found
+
+
+@pytest.mark.parametrize("renderer", [True], indirect=True, ids=["nodes 2.0"])
+def test_the_rows_node_s_cache_line_shows_at_80_percent_zoom(browser, renderer, artifacts):
+    """In Nodes 2.0 every node is an element of the page, so the element at the cache line is what the user sees
+    there (on the canvas the panel floats above the drawn nodes whatever covers it: the overlap test holds that)."""
+    ui, _ = wf.rows_example("layout")
+    browser.js(LOAD, ui)
+    P.settle(browser, 1.5)
+    node = browser.js("() => app.graph.nodes.find((n) => n.type === 'MultiLoRARows').id")
+    browser.js("() => { app.canvas.ds.scale = 0.8; app.canvas.ds.offset = [20, 20]; app.canvas.setDirty(true, true) }")
+    P.settle(browser, 1.5)
+    browser.call("screenshot", path=str(artifacts / "rows_cache_line_80_vue.png"))
+    at = browser.js(AT_CACHE, node)
+    assert at["shown"], f"the cache line is covered by {at['covered_by']}"
