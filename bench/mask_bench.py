@@ -107,7 +107,7 @@ class Bench:
                 for j, (name, _) in enumerate(stack):
                     items = n["mask"]().mask(items, name, self.sides[j % 2], 0.0, False, 0.0, 0.0)[0]
             if method == "auto":
-                items = self.seeking(items)
+                items = self.finder_of(items)
             model = n["loader"]().apply(base, items)[0]
         else:
             model = base
@@ -125,7 +125,7 @@ class Bench:
                 positive += cond
         return model, positive, self.negative
 
-    def seeking(self, items):
+    def finder_of(self, items):
         """The stack with every entry's region found as it samples: entry j's words are text token 1 or 2 (by its
         subject), as LoRAAutoRegions finds them in a tokenized prompt."""
         F, st = self.found, self.nodes["entries"]
@@ -133,7 +133,7 @@ class Bench:
         key = "t5xxl" if "guidance" in self.prompt[0][1] else "l"  # Flux reads T5 tokens, SD1.5 CLIP-L ones
         subjects = [F.Subject(e.name, {key: (1 + j % 2,)}) for j, e in enumerate(entries)]
         finder = F.Finder(subjects, {key: self.prompt[0][0].shape[1]}, UNTIL, 0.3, 1.0)
-        return st.as_stack([e.with_shaping(region=finder.sought(j)) for j, e in enumerate(entries)])
+        return st.as_stack([e.with_shaping(region=finder.region(j)) for j, e in enumerate(entries)])
 
     def hook_group(self, entries):
         comfy = self.host.comfy

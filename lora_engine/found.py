@@ -63,7 +63,7 @@ class Subject:
 
 
 @dataclass(frozen=True, eq=False)
-class Sought:
+class AutoRegion:
     """A stack entry's mark: its region is the one `finder` finds for subject `index`."""
 
     finder: Finder
@@ -100,8 +100,8 @@ class Finder:
         self.background, self.text = background, float(text)
         self.start()
 
-    def sought(self, index: int) -> Sought:
-        return Sought(self, index)
+    def region(self, index: int) -> AutoRegion:
+        return AutoRegion(self, index)
 
     def start(self) -> None:
         """A new sampling: nothing recorded, nothing found."""

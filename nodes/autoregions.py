@@ -147,7 +147,7 @@ class LoRAAutoRegions(ShapesEntry):
         except (StackError, LoRAError) as e:
             raise ValueError(str(e)) from None
         for j, (i, _) in enumerate(found):
-            items[i] = items[i].with_shaping(region=finder.sought(j))
+            items[i] = items[i].with_shaping(region=finder.region(j))
         return (as_stack(items),)
 
 
@@ -201,7 +201,7 @@ class LoRAFoundRegions:
             items = entries(lora_stack)
         except StackError as e:
             raise ValueError(str(e)) from None
-        placed = [(i, e.shaping.sought) for i, e in enumerate(items) if e.shaping.sought is not None]
+        placed = [(i, e.shaping.auto_region) for i, e in enumerate(items) if e.shaping.auto_region is not None]
         if not placed:
             raise ValueError("the stack has no entry whose region LoRAAutoRegions finds; connect LoRAAutoRegions' "
                              "output")

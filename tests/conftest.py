@@ -8,7 +8,7 @@ explains).
 
 MKL's strict reproducibility (MKL_CBWR=AUTO,STRICT): by default MKL, torch's CPU BLAS on x86, may sum the same
 product in another order where its operands lie at other addresses, so one computation run twice in a process can
-differ in the last bits. On an Intel Xeon, `tests/host/found_check.py`'s sampling that records attention differed from
+differ in the last bits. On an Intel Xeon, `tests/host/support/found_check.py`'s sampling that records attention differed from
 the same sampling unrecorded by 1.9e-6 in every run, quiet or beside a busy core, and by 0.0 with this setting. With
 it, a test's bit-for-bit claim holds wherever torch's BLAS is MKL; results still differ between CPUs. MKL_DYNAMIC=FALSE
 completes MKL's conditions for results that repeat (its developer guide: a fixed number of threads, MKL_DYNAMIC and

@@ -1,7 +1,7 @@
 """ComfyUI in-process: import its modules and the pack, and build tiny models of its families.
 
 For scripts run with ComfyUI's own python (its venv): `bench/compare.py` and the host tier's
-`tests/host/family_check.py`. Nothing here is imported by the engine or the nodes, and nothing in
+`tests/host/support/family_check.py`. Nothing here is imported by the engine or the nodes, and nothing in
 ComfyUI is mocked or changed: its modules are imported from the checkout as `main.py --cpu` would
 import them.
 

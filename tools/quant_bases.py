@@ -1,6 +1,6 @@
 """Quantized bases in one process: ComfyUI's own loaders for each storage of a diffusion model, and a LoRA stack on
 them through this pack, through ComfyUI's stock loader and through its bypass loader. Used by bench/quant_bench.py
-and tests/host/quant_check.py; run with ComfyUI's python (nothing in ComfyUI is mocked or changed).
+and tests/host/support/quant_check.py; run with ComfyUI's python (nothing in ComfyUI is mocked or changed).
 
 Storages (`STORAGES`), each loaded by the node a user loads it with:
   fp8_e4m3fn, fp8_e5m2   UNETLoader's weight_dtype on the full-precision file: every weight cast to fp8 at load

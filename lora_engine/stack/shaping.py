@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from ..adapter import Adapter
 from ..blocks import BlockWeights
 from ..errors import ShapingError
-from ..found import Finder, Sought
+from ..found import Finder, AutoRegion
 from ..regions import Region
 from ..request import Entry as EngineEntry, LayerWeights
 from ..schedule import SCHEDULES, Schedule
@@ -26,13 +26,13 @@ Resolve = Callable[[BlockWeights], tuple[float, LayerWeights]]  # block weights 
 class Shaping:
     """What shapes one entry's strength. `schedule` and `blocks` may be one per batch item (a tuple: a grid's
     cells), and then `clip_blocks`, the entry's own block weights, gives the BASE that scales its CLIP strength.
-    `region`: a mask (`Region`), or one that LoRAAutoRegions finds as the model samples (`Sought`); the diffusion
+    `region`: a mask (`Region`), or one that LoRAAutoRegions finds as the model samples (`AutoRegion`); the diffusion
     model's alone."""
 
     schedule: Schedule | tuple[Schedule | None, ...] | None = None
     blocks: BlockWeights | tuple[BlockWeights | None, ...] | None = None
     clip_blocks: BlockWeights | None = None
-    region: Region | Sought | None = None
+    region: Region | AutoRegion | None = None
 
     @classmethod
     def read(cls, item: object) -> Shaping:
@@ -43,7 +43,7 @@ class Shaping:
             return NONE
         return cls(shaping.schedule if isinstance(shaping.schedule, SCHEDULES) else None,
                    shaping.blocks if isinstance(shaping.blocks, BlockWeights) else None, None,
-                   shaping.region if isinstance(shaping.region, (Region, Sought)) else None)
+                   shaping.region if isinstance(shaping.region, (Region, AutoRegion)) else None)
 
     @property
     def shaped(self) -> bool:
@@ -51,9 +51,9 @@ class Shaping:
         return any(getattr(self, f.name) is not None for f in fields(self))
 
     @property
-    def sought(self) -> Sought | None:
+    def auto_region(self) -> AutoRegion | None:
         """The region LoRAAutoRegions finds for this entry, or None."""
-        return self.region if isinstance(self.region, Sought) else None
+        return self.region if isinstance(self.region, AutoRegion) else None
 
     def refuse_fixed(self, name: str, path: str | None, holds: str, remedy: str, per_item: bool = False) -> None:
         """Refuse, with a `ShapingError` that says what `holds` and gives `remedy`, a shaping that needs the
@@ -76,7 +76,7 @@ class Shaping:
 
     def to_engine(self, adapter: Adapter, strength: float | Sequence[float],
                   resolve: Resolve) -> tuple[EngineEntry, float]:
-        """The engine's entry for the diffusion model (a found region is the bridge's: `seeking`), and the BASE
+        """The engine's entry for the diffusion model (a found region is the bridge's: `finder_of`), and the BASE
         block weight that scales the CLIP strength. The one place a shaping becomes the engine's."""
         strength = tuple(float(v) for v in strength) if isinstance(strength, (list, tuple)) else float(strength)
         blocks, base, weights = self.blocks, 1.0, None
@@ -92,17 +92,17 @@ class Shaping:
 NONE = Shaping()
 
 
-def seeking(sought: Sequence[tuple[Adapter, Sought]]) -> tuple[Finder, tuple[Adapter, ...]] | None:
+def finder_of(marked: Sequence[tuple[Adapter, AutoRegion]]) -> tuple[Finder, tuple[Adapter, ...]] | None:
     """(the one `Finder` whose regions a stack's entries seek, the adapter of each of its subjects in order), or
     None where no entry seeks one. Refused: the entries of two finders, a subject the stack no longer holds."""
-    if not sought:
+    if not marked:
         return None
-    finders = {id(s.finder): s.finder for _, s in sought}
+    finders = {id(s.finder): s.finder for _, s in marked}
     if len(finders) > 1:
         raise ShapingError("the stack holds the entries of two LoRAAutoRegions nodes; one finds the regions of "
                            "every entry it names", remedy="name all the entries in one LoRAAutoRegions")
     finder = next(iter(finders.values()))
-    by_subject = {s.index: a for a, s in sought}
+    by_subject = {s.index: a for a, s in marked}
     missing = [s.name for i, s in enumerate(finder.subjects) if i not in by_subject]
     if missing:
         raise ShapingError(f"LoRAAutoRegions seeks the regions of {', '.join(missing)}, which the stack given to "

@@ -10,12 +10,12 @@ from ...lora_engine import Adapter, SlotLimitError
 from ...lora_engine.binding import no_match
 from ...lora_engine.blocks import BlockWeights, layer_weights, layout
 from ...lora_engine.errors import ShapingError
-from ...lora_engine.found import Sought
+from ...lora_engine.found import AutoRegion
 from ...lora_engine.request import Entry, Request
 from ...lora_engine.stack.entry import Entry as StackEntry
-from ...lora_engine.stack.shaping import seeking
+from ...lora_engine.stack.shaping import finder_of
 
-from .found import Finding, install
+from .found import AutoRegions, install
 from .injection import INJECTION_KEY, Stack, StackInjection, injection_of, merge_patches, track_use
 from .models import binding_of, log_once, match_report, unhookable_keys, warn_fused
 from .sampling import ModelCallWrapper, PrepareSampling, cell_noise
@@ -76,7 +76,7 @@ def apply_stack(model, clip, stack: Sequence[Loaded], max_loras: int = 0):
     max_loras = max_loras or len(distinct)
     unet_root = model.model
     clip_root = clip.cond_stage_model if clip is not None else None
-    model_entries, clip_entries, sought = [], [], []
+    model_entries, clip_entries, marked = [], [], []
     roots = [(unet_root, "unet")] + ([(clip_root, "clip")] if clip_root is not None else [])
     for adapter, entry in stack:
         on_model = binding_of(adapter, unet_root, "unet")  # shape errors raise here, before any clone exists
@@ -91,13 +91,14 @@ def apply_stack(model, clip, stack: Sequence[Loaded], max_loras: int = 0):
         on_unet, on_text = entry.to_engine(adapter, resolver(adapter, unet_root, on_model))
         if on_model is not None:
             model_entries.append(on_unet)
-            if entry.shaping.sought is not None:
-                sought.append((adapter, entry.shaping.sought))
+            if entry.shaping.auto_region is not None:
+                marked.append((adapter, entry.shaping.auto_region))
         if on_clip is not None:
             clip_entries.append(on_text)
     new_model = model
     if model_entries:
-        new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet", finding=finding_of(sought))
+        new_model = with_stack(model, model.clone(), model_entries, max_loras, "unet",
+                               auto_regions=auto_regions_of(marked))
     new_clip = clip
     if clip is not None and clip_entries:
         new_clip = clip.clone()
@@ -105,14 +106,14 @@ def apply_stack(model, clip, stack: Sequence[Loaded], max_loras: int = 0):
     return new_model, new_clip
 
 
-def finding_of(sought: list[tuple[Adapter, Sought]]) -> Finding | None:
+def auto_regions_of(marked: list[tuple[Adapter, AutoRegion]]) -> AutoRegions | None:
     """The regions a stack's entries seek, of one LoRAAutoRegions (its `Finder`), each entry's adapter by its
-    subject; None where none seeks one (refusals: `shaping.seeking`)."""
-    found = seeking(sought)
-    return None if found is None else Finding(*found)
+    subject; None where none seeks one (refusals: `shaping.finder_of`)."""
+    found = finder_of(marked)
+    return None if found is None else AutoRegions(*found)
 
 
-def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None, finding=None):
+def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root=None, auto_regions=None):
     """Give `clone` (a clone of `patcher`) the stack `patcher` carries plus `entries`; `root`: the text encoder
     it runs on (`StackInjection`). A diffusion model's stack also gets a wrapper around every model call
     (`ModelCallWrapper`: schedules, per-item strengths, a conditioning's strengths) and one around ComfyUI's
@@ -127,11 +128,11 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
     slots = max(slots, prior.slots if prior else 0, len(request.entries))
     # A merge counts from where the stack's first entries were put on, so that one between two loaders is seen.
     merges = before.merges if before is not None else merge_patches(clone)
-    if finding is not None and prior is not None and prior.finding is not None:
+    if auto_regions is not None and prior is not None and prior.auto_regions is not None:
         raise ShapingError("two loaders on one model each carry a LoRAAutoRegions stack",
                            remedy="find the regions of every entry with one LoRAAutoRegions, in one loader")
-    finding = finding or (prior.finding if prior is not None else None)
-    injection = StackInjection(Stack(tuple(merged), slots, kind, request, finding), merges, root)
+    auto_regions = auto_regions or (prior.auto_regions if prior is not None else None)
+    injection = StackInjection(Stack(tuple(merged), slots, kind, request, auto_regions), merges, root)
     track_use(root if root is not None else clone.model, injection)
     clone.set_injections(INJECTION_KEY, [injection])
     detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
@@ -143,9 +144,9 @@ def with_stack(patcher, clone, entries: list[Entry], slots: int, kind: str, root
             clone.remove_wrappers_with_key(kind_of_wrapper, WRAPPER_KEY)
         scheduled = any(e.schedule is not None for e in merged)
         items = max((len(e.strength) for e in merged if isinstance(e.strength, tuple)), default=0)
-        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items, finding))
-        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling(finding))
-        if finding is not None:
+        clone.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, ModelCallWrapper(scheduled, items, auto_regions))
+        clone.add_wrapper_with_key(wrappers.PREPARE_SAMPLING, WRAPPER_KEY, PrepareSampling(auto_regions))
+        if auto_regions is not None:
             install(clone)
         if items:
             clone.add_wrapper_with_key(wrappers.SAMPLER_SAMPLE, WRAPPER_KEY, cell_noise)

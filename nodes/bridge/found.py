@@ -27,7 +27,7 @@ CALL = "multilora_found_call"  # in a model call's transformer_options: what to 
 
 
 @dataclass
-class Finding:
+class AutoRegions:
     """A stack's regions to find: the finder, the adapter of each of its subjects, and the text encoder chosen for
     the model sampled and that model's family, by ComfyUI's diffusion-model class name (`check`)."""
 
@@ -83,19 +83,19 @@ class Finding:
 class Call:
     """What one model call records: its latent's grid, its text's token count, and the rows of its positive chunk."""
 
-    finding: Finding
+    auto_regions: AutoRegions
     latent: tuple[int, int]
     text: int
     rows: slice
 
     def record(self, q, k, heads: int, skip_reshape: bool, kwargs: dict) -> None:
         options = kwargs.get("transformer_options") or {}
-        found = self.finding.rules.attended(self.latent, self.text, self.rows, q, k, heads, skip_reshape, options)
+        found = self.auto_regions.rules.attended(self.latent, self.text, self.rows, q, k, heads, skip_reshape, options)
         if found is None:
             return
         q_img, k_txt, grid = found
         scale = kwargs.get("scale", q_img.shape[-1] ** -0.5)
-        self.finding.finder.record(self.finding.encoder, q_img, k_txt, scale, grid, self.latent)
+        self.auto_regions.finder.record(self.auto_regions.encoder, q_img, k_txt, scale, grid, self.latent)
 
 
 class Recorder:

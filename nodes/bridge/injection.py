@@ -16,7 +16,7 @@ from ...lora_engine import Adapter, SlotBank, all_banks
 from ...lora_engine.request import Entry, Request
 
 from .errors import host_errors
-from .found import Finding
+from .found import AutoRegions
 from .models import bank_of
 
 log = logging.getLogger("multilora")
@@ -33,7 +33,7 @@ class Stack:
     slots: int
     kind: str  # "unet" or "clip"
     request: Request
-    finding: Finding | None = None  # the regions its entries seek (LoRAAutoRegions)
+    auto_regions: AutoRegions | None = None  # the regions its entries seek (LoRAAutoRegions)
 
 
 def merge_patches(patcher) -> int:

@@ -16,7 +16,7 @@ from ...lora_engine.stack import cond_strengths
 from ...lora_engine.stack.cond_strengths import CondBatch
 
 from .errors import host_errors
-from .found import Finding
+from .found import AutoRegions
 from .injection import Stack, injection_of, release_unloaded
 from .models import first_time
 from .tokens import check_masks, tokens_of
@@ -84,13 +84,13 @@ class ModelCallWrapper:
     instead, and sample wrong images without an error (`grid_batch_refusal` says what split the batch). The call's
     batch is told to the bank for the call's duration (`Strengths.call_rows`): a layer whose input has other rows
     (HiDream's routed experts) then refuses per-item strengths instead of giving them to other items' tokens. With
-    regions to find (`found.Finding`), it marks the calls before find_until for recording, and puts the regions on
+    regions to find (`found.AutoRegions`), it marks the calls before find_until for recording, and puts the regions on
     the bank at find_until."""
 
-    def __init__(self, scheduled: bool = True, items: int = 0, finding: Finding | None = None):
+    def __init__(self, scheduled: bool = True, items: int = 0, auto_regions: AutoRegions | None = None):
         self.scheduled = scheduled
         self.items = items
-        self.finding = finding
+        self.auto_regions = auto_regions
 
     @host_errors
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
@@ -107,12 +107,12 @@ class ModelCallWrapper:
                 bank.set_items(strengths.rows([a for a in bank.slots if a is not None], x.shape[0]))
             else:
                 bank.set_items(None)
-            if self.scheduled or self.finding is not None:
+            if self.scheduled or self.auto_regions is not None:
                 progress = sampling_progress(root, t, transformer_options)
                 if self.scheduled:
                     bank.set_progress(progress, sampling_steps(transformer_options))
-                if self.finding is not None:
-                    transformer_options = self.finding.before_call(bank, progress, x, c_crossattn,
+                if self.auto_regions is not None:
+                    transformer_options = self.auto_regions.before_call(bank, progress, x, c_crossattn,
                                                                    transformer_options)
             if bank.masked:
                 bank.strengths.masks.set_tokens(tokens_of(root, x))  # where the masks' rows lie in this call
@@ -155,7 +155,7 @@ class PrepareSampling:
     where others are found (a conditioning for both experts of Wan 2.2, each with a stack of its own) is logged
     once.
 
-    A stack whose regions are found as it samples (LoRAAutoRegions, `found.Finding`) is checked: the model's
+    A stack whose regions are found as it samples (LoRAAutoRegions, `found.AutoRegions`) is checked: the model's
     family records attention, and the prompt's words were tokenized for its text encoder; its finder starts afresh.
 
     The slots of other models that ComfyUI has unloaded are released (`release_unloaded`), so that they are not
@@ -168,14 +168,14 @@ class PrepareSampling:
     inside that load, a new bank's slots were made after the decision. The injection then finds the stack active
     and copies nothing; where the load fails before it injects, the stack is deactivated again."""
 
-    def __init__(self, finding: Finding | None = None):
-        self.finding = finding
+    def __init__(self, auto_regions: AutoRegions | None = None):
+        self.auto_regions = auto_regions
 
     @host_errors
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
         injection = injection_of(model)
-        if self.finding is not None:
-            self.finding.check(model.model)  # the family records attention; the finder starts afresh
+        if self.auto_regions is not None:
+            self.auto_regions.check(model.model)  # the family records attention; the finder starts afresh
         masked = [(e.adapter.name, e.region) for e in injection.stack.entries if e.region is not None] \
             if injection is not None else []
         if masked:

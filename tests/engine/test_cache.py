@@ -10,7 +10,7 @@ import pytest
 from lora_engine import AdapterCache, default_cache
 from lora_engine import cache as cache_mod
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from lora_engine import AdapterCache, LoRAError, LoRAFileError, LoRAFormatError
 from lora_engine.cache import Preload
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 WAIT = 30.0  # seconds: far above any step here; a test that hangs fails instead
 

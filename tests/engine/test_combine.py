@@ -22,8 +22,8 @@ from lora_engine import KeyMap, SlotBank, bind, fuse, load_adapter
 from lora_engine.plan import Geometry
 from lora_engine.combine import SavedLayer, combine
 
-from . import lycoris_oracle as lo
-from .lycoris_oracle import Case
+from .support import lycoris_oracle as lo
+from .support.lycoris_oracle import Case
 
 TOL = 1e-5
 STACK = [(Case("c-locon-tucker", {"algo": "locon", "use_tucker": True}, seed=21), 0.8),

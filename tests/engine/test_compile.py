@@ -11,7 +11,7 @@ import torch
 
 from lora_engine import Entry, Schedule, SlotBank, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 testing = pytest.importorskip("torch._dynamo.testing", reason="this torch build has no dynamo")
 

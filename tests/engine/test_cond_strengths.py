@@ -8,7 +8,7 @@ import pytest
 from lora_engine import SlotBank, load_adapter
 from lora_engine.stack import cond_strengths as cs
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 @pytest.fixture

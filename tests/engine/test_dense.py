@@ -11,7 +11,7 @@ import torch
 from lora_engine import NonFiniteError, SlotBank, load_adapter
 from lora_engine import plan as plan_module
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 def _scaled(tensors: dict[str, torch.Tensor], suffix: str, factor: float) -> dict[str, torch.Tensor]:

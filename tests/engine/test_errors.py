@@ -14,7 +14,7 @@ from lora_engine import (KeyMap, LoRAFileError, LoRAFormatError, LoRANoMatchErro
                          NonFiniteError, SlotBank, load_adapter)
 from lora_engine.reader import read_tensors
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 def good(tmp_path, name="good.safetensors"):

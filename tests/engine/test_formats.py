@@ -9,7 +9,7 @@ import torch
 
 from lora_engine import SlotBank, fuse, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 TOL = 1e-5
 

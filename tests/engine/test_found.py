@@ -10,8 +10,8 @@ import torch
 from lora_engine import Entry, NonFiniteError, Region, ShapingError, SlotBank, Tokens, load_adapter
 from lora_engine.found import Finder, NothingRecordedError, PromptLengthError, Subject
 
-from . import lora_files as lf
-from . import region_models as rm
+from .support import lora_files as lf
+from .support import region_models as rm
 
 GRID, LATENT = (4, 6), (8, 12)  # the attention's image grid, and the latent's (twice it)
 TEXT = 6  # the prompt's tokens: 0 the start, 1 "alice", 3 "bob", 5 the end

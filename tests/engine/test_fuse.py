@@ -10,7 +10,7 @@ import torch
 
 from lora_engine import FuseError, NonFiniteError, fuse, ledger_of, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 @pytest.fixture

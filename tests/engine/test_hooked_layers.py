@@ -8,7 +8,7 @@ import gc
 from lora_engine import SlotBank, load_adapter
 from lora_engine.layer import hooked_layers
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 def torch_hooks(*models) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from lora_engine import KeyMap, SlotBank, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 
 @pytest.fixture

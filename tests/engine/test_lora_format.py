@@ -20,8 +20,8 @@ from torch import nn
 from lora_engine import read_header
 from lora_engine.stack import lora_info
 
-from . import lycoris_oracle as lo
-from .lycoris_oracle import Case
+from .support import lycoris_oracle as lo
+from .support.lycoris_oracle import Case
 
 def only(*kept: str) -> tuple[str, ...]:
     """`Case.exclude` that keeps LyCORIS on the layers `kept` of lycoris_oracle's tiny model."""

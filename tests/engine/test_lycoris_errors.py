@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from lora_engine import EngineError, LoRAError, LoRAFormatError, LoRAShapeError, SlotBank, fuse, load_adapter
 
-from . import lycoris_oracle as lo
-from .lycoris_oracle import Case
+from .support import lycoris_oracle as lo
+from .support.lycoris_oracle import Case
 
 
 @pytest.fixture(scope="module", autouse=True)

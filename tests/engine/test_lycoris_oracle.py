@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 
 from lora_engine import SlotBank, fuse, load_adapter
 
-from . import lycoris_oracle as lo
-from .lycoris_oracle import Case
+from .support import lycoris_oracle as lo
+from .support.lycoris_oracle import Case
 
 TOL = 1e-5  # relative to the adapter's effect on the output: max |engine − LyCORIS| / max |LyCORIS − base|
 STRENGTHS = (1.0, 0.6, -0.7, 0.0)

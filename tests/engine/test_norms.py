@@ -15,7 +15,7 @@ from torch import nn
 
 from lora_engine import SlotBank, fuse, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 TOL = 1e-5
 

@@ -15,7 +15,7 @@ import torch
 
 from lora_engine import SlotBank, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 peft = pytest.importorskip("peft")
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from lora_engine import SlotBank, load_adapter
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 lokr = pytest.importorskip("lycoris.modules.lokr")
 

@@ -8,8 +8,8 @@ import torch
 
 from lora_engine import SlotBank, load_adapter
 
-from . import lora_files as lf
-from .banks import run, solo
+from .support import lora_files as lf
+from .support.banks import run, solo
 
 
 def test_pinning_packs_an_adapter_into_a_few_power_of_two_buffers(tmp_path, monkeypatch):

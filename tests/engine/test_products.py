@@ -10,7 +10,7 @@ import torch
 from lora_engine import NonFiniteError, SlotBank, load_adapter
 from lora_engine.runtime import Kron
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 TOL = 1e-5
 

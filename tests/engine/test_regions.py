@@ -10,8 +10,8 @@ import torch
 from lora_engine import (Entry, Layout, NonFiniteError, Region, Schedule, ShapingError, SlotBank, Tokens,
                          load_adapter)
 
-from . import lora_files as lf
-from . import region_models as rm
+from .support import lora_files as lf
+from .support import region_models as rm
 
 KINDS = ("unet", "dit", "routed")
 REL = 1e-5

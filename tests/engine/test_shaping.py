@@ -12,7 +12,7 @@ from lora_engine.grid import GridError, build, parse_axis
 from lora_engine.schedule import Product, Schedule, Switch, step_progress
 from lora_engine.request import Entry
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 SD15_ATTN = ([f"diffusion_model.input_blocks.{i}.1.proj_in" for i in (1, 2, 4, 5, 7, 8)]
              + ["diffusion_model.middle_block.1.proj_in"]

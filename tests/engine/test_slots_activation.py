@@ -7,8 +7,8 @@ import torch
 
 from lora_engine import Entry, NonFiniteError, SlotBank, SlotLimitError, load_adapter
 
-from . import lora_files as lf
-from .banks import TOL, four_adapters, run, solo
+from .support import lora_files as lf
+from .support.banks import TOL, four_adapters, run, solo
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import torch
 from lora_engine import Entry, LoRAShapeError, NonFiniteError, Schedule, SlotBank, load_adapter
 from lora_engine.errors import ShapingError
 
-from . import lora_files as lf
-from .banks import TOL, four_adapters, run, solo
+from .support import lora_files as lf
+from .support.banks import TOL, four_adapters, run, solo
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from lora_engine.found import Finder, Subject
 from lora_engine.regions import Region
 from lora_engine.schedule import Schedule
 from lora_engine.stack.entry import Entry, StackError, StackItem, as_stack, entries, last_left_out
-from lora_engine.stack.shaping import Shaping, seeking
+from lora_engine.stack.shaping import Shaping, finder_of
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 MASK = Region.of(torch.ones(1, 4, 4))
 BLOCKS = BlockWeights.parse("first-half")
@@ -106,18 +106,18 @@ def test_to_engine_is_the_one_mapping_of_a_shaping_to_the_engines_entries(adapte
 def test_a_found_region_stays_out_of_the_engines_entry_and_is_sought(adapters):
     a, b = adapters
     seek = finder("a", "b")
-    first = seek.sought(0)
+    first = seek.region(0)
     entry = Entry("a", 1.0, 0.0).with_shaping(region=first)
     on_model, _ = entry.to_engine(a, lambda spec: pytest.fail("no block weights"))
-    assert on_model.region is None and entry.shaping.sought is first
-    assert Entry("a", 1.0, 0.0).with_shaping(region=MASK).shaping.sought is None
-    assert seeking([]) is None
-    assert seeking([(b, seek.sought(1)), (a, seek.sought(0))]) == (seek, (a, b))
+    assert on_model.region is None and entry.shaping.auto_region is first
+    assert Entry("a", 1.0, 0.0).with_shaping(region=MASK).shaping.auto_region is None
+    assert finder_of([]) is None
+    assert finder_of([(b, seek.region(1)), (a, seek.region(0))]) == (seek, (a, b))
 
 
 def test_seeking_refuses_two_finders_and_a_subject_the_stack_lost(adapters):
     a, b = adapters
     with pytest.raises(ShapingError, match="the stack holds the entries of two LoRAAutoRegions nodes"):
-        seeking([(a, finder("a").sought(0)), (b, finder("b").sought(0))])
+        finder_of([(a, finder("a").region(0)), (b, finder("b").region(0))])
     with pytest.raises(ShapingError, match="LoRAAutoRegions seeks the regions of b, which the stack given"):
-        seeking([(a, finder("a", "b").sought(0))])
+        finder_of([(a, finder("a", "b").region(0))])

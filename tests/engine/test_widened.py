@@ -12,7 +12,7 @@ from torch import nn
 from lora_engine import KeyMap, LoRAShapeError, SlotBank, fuse, load_adapter
 from lora_engine.binding import bind
 
-from . import lora_files as lf
+from .support import lora_files as lf
 
 TOL = 1e-5
 SCALE = 0.5  # alpha 1 over rank 2

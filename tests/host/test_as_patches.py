@@ -32,9 +32,9 @@ from safetensors.torch import save_file
 from tools import synth
 from tools.comfy_server import ComfyExecutionError
 
-from . import workflows as wf
-from .properties import assert_holds
-from .stock_compare import graph, mad, one, stock, stock_chain
+from .support import workflows as wf
+from .support.properties import assert_holds
+from .support.stock_compare import graph, mad, one, stock, stock_chain
 
 pytestmark = pytest.mark.host
 
@@ -309,7 +309,7 @@ def in_process(run_script, reads_weight, kinds, tmp_path_factory, monkeypatch_mo
     monkeypatch_module.setenv("AS_PATCHES_READS_WEIGHT", str(reads_weight))
     monkeypatch_module.setenv("AS_PATCHES_KINDS", str(kinds))
     out = tmp_path_factory.mktemp("as_patches_check") / "result.json"
-    return json.loads(run_script(Path(__file__).with_name("as_patches_check.py"), out))
+    return json.loads(run_script(Path(__file__).resolve().parent / "support" / "as_patches_check.py", out))
 
 
 @pytest.fixture(scope="module")

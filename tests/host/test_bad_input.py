@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted, ComfyPromptError
 
-from . import workflows as wf
+from .support import workflows as wf
 
 pytestmark = pytest.mark.host
 

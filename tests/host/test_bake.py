@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "bake_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "bake_check.py"
 CASES = ("written", "fp8", "interrupted", "overflow", "same_bake", "partial")
 
 

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "composite_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "composite_check.py"
 MARGIN = 10.0
 
 

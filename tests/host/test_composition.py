@@ -16,7 +16,7 @@ import pytest
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
-from . import workflows as wf
+from .support import workflows as wf
 from .test_shaping import STEPS, graph, mad
 
 pytestmark = pytest.mark.host

@@ -13,7 +13,7 @@ import pytest
 
 from bench.soak import check_status
 
-from . import workflows as wf
+from .support import workflows as wf
 
 pytestmark = pytest.mark.host
 

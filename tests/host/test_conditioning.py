@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent / "conditioning_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "conditioning_check.py"
 REL_TOL = 5e-5
 BASE_MARGIN = 10.0
 STEPS = 2

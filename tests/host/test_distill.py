@@ -27,7 +27,7 @@ from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
 from .conftest import UNET_NAME, own_copy, place
 from .test_multilora import mad, one
-from .workflows import loader_nodes, model_graph
+from .support.workflows import loader_nodes, model_graph
 
 pytestmark = pytest.mark.host
 

@@ -12,7 +12,7 @@ import pytest
 
 from tools.api_to_ui import WIDGET_TYPES, inputs_of
 
-from . import workflows as wf
+from .support import workflows as wf
 
 pytestmark = pytest.mark.host
 

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.family_check import CASES
+from tests.host.support.family_check import CASES
 
-SCRIPT = Path(__file__).resolve().parent / "family_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "family_check.py"
 REL_TOL = 5e-5
 BASE_MARGIN = 10.0
 RUN_TIMEOUT = 600.0

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "found_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "found_check.py"
 STEPS = 4
 MARGIN = 10.0
 

@@ -26,7 +26,7 @@ from tools import synth
 
 from .conftest import place, unet_of_checkpoint
 from .test_multilora import assert_reads_copies_and_patches_nothing, mad, one
-from .workflows import loader_nodes, model_graph
+from .support.workflows import loader_nodes, model_graph
 
 pytestmark = pytest.mark.host
 
@@ -54,7 +54,7 @@ def gguf_unet(gguf_pack, comfy_python, models_dir, synth_assets) -> Path:
     unet = unet_of_checkpoint(synth_assets["checkpoint"])
     cache = synth.default_cache_dir() / f"q8_{unet.stem}.gguf"
     if not cache.exists():
-        script = Path(__file__).with_name("gguf_unet.py")
+        script = Path(__file__).resolve().parent / "support" / "gguf_unet.py"
         subprocess.run([comfy_python, str(script), str(unet), str(cache)], check=True, timeout=600)
     target = models_dir / "diffusion_models" / GGUF_NAME
     if not target.exists():

@@ -27,7 +27,7 @@ import pytest
 
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
-from . import workflows as wf
+from .support import workflows as wf
 
 pytestmark = pytest.mark.host
 

@@ -15,7 +15,7 @@ import pytest
 from tools import synth
 from tools.comfy_server import ComfyExecutionError
 
-from .stock_compare import CHARACTER, DETAIL, STYLE, finished, rows_inputs, texts
+from .support.stock_compare import CHARACTER, DETAIL, STYLE, finished, rows_inputs, texts
 
 pytestmark = pytest.mark.host
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from .properties import assert_holds
+from .support.properties import assert_holds
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "injection_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "injection_check.py"
 
 CHECKS = ("failed_load_unet", "failed_load_clip", "dropped_clone_keeps_stack", "replaced_clone_stays_warm",
           "orphan_released", "evicted_is_one_adapter", "chained_duplicate_refused")

@@ -15,7 +15,7 @@ import pytest
 from bench import soak
 from tools.comfy_server import ComfyInterrupted
 
-from . import workflows as wf
+from .support import workflows as wf
 from .conftest import own_copy
 
 pytestmark = pytest.mark.host

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from .properties import assert_holds
+from .support.properties import assert_holds
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "lifetime_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "lifetime_check.py"
 
 
 CHECKS = ("unet_freed", "clip_freed", "no_leak_logged")

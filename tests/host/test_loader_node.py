@@ -13,9 +13,9 @@ import pytest
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
-from . import workflows as wf
+from .support import workflows as wf
 from .conftest import own_copy
-from .stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, fp32_text_encoder_server,
+from .support.stock_compare import (CHARACTER, DETAIL, STYLE, THREE, check_against_stock, fp32_text_encoder_server,
                             graph, multi_rows, one, rows_inputs, texts)
 
 pytestmark = pytest.mark.host

@@ -15,7 +15,7 @@ import pytest
 
 from tools.comfy_server import ComfyExecutionError
 
-from . import workflows as wf
+from .support import workflows as wf
 from .test_multilora import mad
 
 pytestmark = pytest.mark.host

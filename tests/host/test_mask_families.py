@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.host.mask_families_check import NAMES
+from tests.host.support.mask_families_check import NAMES
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "mask_families_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "mask_families_check.py"
 MARGIN = 10.0
 LABELS = {"chroma": "Chroma", "sd3": "SD3", "wan21": "Wan 2.1 / 2.2", "qwen_image": "Qwen-Image",
           "lumina2": "Lumina 2 / Z-Image", "z_image": "Lumina 2 / Z-Image", "hidream": "HiDream"}

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "mask_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "mask_check.py"
 STEPS = 2
 MARGIN = 10.0
 

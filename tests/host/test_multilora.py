@@ -27,7 +27,7 @@ import pytest
 
 from tools import comfy_server as cs
 
-from . import workflows as wf
+from .support import workflows as wf
 
 pytestmark = pytest.mark.host
 

@@ -21,9 +21,9 @@ import pytest
 
 from tools.comfy_server import ComfyExecutionError
 
-from .pair_example import (ANIME_HIGH, DETAIL, HIGH, LIGHTNING_HIGH, LIGHTNING_LOW, LOW, ROWS, SPLIT, TWICE,
+from .support.pair_example import (ANIME_HIGH, DETAIL, HIGH, LIGHTNING_HIGH, LIGHTNING_LOW, LOW, ROWS, SPLIT, TWICE,
                            make_files, on_sd15, with_chains)
-from .stock_compare import mad, one, texts
+from .support.stock_compare import mad, one, texts
 
 pytestmark = pytest.mark.host
 

@@ -21,7 +21,7 @@ import pytest
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
-from . import workflows as wf
+from .support import workflows as wf
 from .conftest import own_copy
 
 pytestmark = pytest.mark.host

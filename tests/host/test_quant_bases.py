@@ -29,11 +29,11 @@ import pytest
 
 from tools.quant_bases import STORAGES
 
-from .properties import assert_holds
+from .support.properties import assert_holds
 
 pytestmark = pytest.mark.host
 
-SCRIPT = Path(__file__).resolve().parent / "quant_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "quant_check.py"
 PROPERTIES = ("not_rounded", "error", "strength_move", "storage_kept")
 
 

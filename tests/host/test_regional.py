@@ -19,7 +19,7 @@ import pytest
 
 from tools.comfy_server import ComfyExecutionError
 
-from . import workflows as wf
+from .support import workflows as wf
 from .test_multilora import mad, one
 
 pytestmark = pytest.mark.host

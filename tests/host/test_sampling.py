@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent / "sampling_check.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "sampling_check.py"
 REL_TOL = 5e-5
 BASE_MARGIN = 10.0
 

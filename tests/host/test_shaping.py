@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyPromptError
 
-from . import workflows as wf
+from .support import workflows as wf
 
 pytestmark = pytest.mark.host
 

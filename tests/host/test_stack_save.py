@@ -2,7 +2,7 @@
 
 - Exact: the file, loaded back through one stock `LoraLoader` at strength 1, gives the image of the stock chain of the
   four files (model and clip strengths), and, model-only, the image of MultiLoRALoader with the same stack. The
-  tolerance is 3× the largest floor measured in the same run with stock nodes only (as tests/host/stock_compare.py
+  tolerance is 3× the largest floor measured in the same run with stock nodes only (as tests/host/support/stock_compare.py
   explains them): ComfyUI's fused chain against its bypass chain over one kohya file, the same chain in reverse
   order, and one level of one pixel. The stack's own effect must be at least 10× the tolerance.
 - Reduced to ranks 4, 8 and 16: the report gives each layer's relative error, the file's metadata the same largest
@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 from tools import synth
 from tools.comfy_server import ComfyExecutionError, ComfyInterrupted
 
-from . import workflows as wf
-from .properties import assert_holds
-from .stock_compare import CHARACTER, DETAIL, STYLE, finished, mad, one, stock
+from .support import workflows as wf
+from .support.properties import assert_holds
+from .support.stock_compare import CHARACTER, DETAIL, STYLE, finished, mad, one, stock
 
 LOHA = "stacksave_loha.safetensors"
 STACK = [(STYLE, 0.8, 0.8), (CHARACTER, -0.4, 0.5), (DETAIL, 1.3, 0.0), (LOHA, 0.7, 0.6)]
@@ -241,7 +241,7 @@ def test_a_bad_name_an_existing_file_and_an_interrupt_leave_the_folder_as_it_was
 def names_checked(run_script, tmp_path_factory):
     """The result of save_names_check.py, run once for the module."""
     out = tmp_path_factory.mktemp("save_names_check") / "result.json"
-    return json.loads(run_script(Path(__file__).with_name("save_names_check.py"), out))
+    return json.loads(run_script(Path(__file__).resolve().parent / "support" / "save_names_check.py", out))
 
 
 @pytest.mark.parametrize("name", ["sdxl_te1_te2", "sd15_te"])

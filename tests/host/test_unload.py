@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from . import workflows as wf
+from .support import workflows as wf
 from .conftest import UNET_NAME
 
 pytestmark = pytest.mark.host

@@ -1,6 +1,6 @@
 // A thin line-oriented bridge from pytest to playwright-core: one JSON request per stdin line,
 // one JSON reply per stdout line ({id, ok, value} or {id, ok: false, error}). The test logic
-// lives in Python (tests/web/browser.py); this file only forwards calls to one Chromium page.
+// lives in Python (tests/web/support/browser.py); this file only forwards calls to one Chromium page.
 //
 // The browser is the system Chromium given by the "launch" request; nothing is downloaded.
 

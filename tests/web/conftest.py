@@ -21,8 +21,8 @@ import pytest
 from tools import comfy_server as cs
 from tools import synth
 
-from . import lora_files
-from .browser import Browser, ensure_playwright_core, find_chromium
+from .support import lora_files
+from .support.browser import Browser, ensure_playwright_core, find_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".artifacts" / "web"

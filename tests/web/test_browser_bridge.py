@@ -2,15 +2,15 @@
 
 A page stuck in a script (or whose renderer died) answers no call. The call that waits for it fails, naming what it
 waited for; the bridge and its Chromium are stopped; and the next call, in the same test or the next, starts both
-again, so one hung page cannot fail the tests after it (tests/web/browser.py).
+again, so one hung page cannot fail the tests after it (tests/web/support/browser.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from . import page as P
-from .browser import BrowserError
+from .support import page as P
+from .support.browser import BrowserError
 
 pytestmark = pytest.mark.web
 

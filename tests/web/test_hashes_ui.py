@@ -8,11 +8,11 @@ import copy
 
 import pytest
 
-from tests.host.stock_compare import finished
-from tests.host.workflows import NAMES
+from tests.host.support.stock_compare import finished
+from tests.host.support.workflows import NAMES
 
-from . import page as P
-from . import workflows as wf
+from .support import page as P
+from .support import workflows as wf
 
 pytestmark = pytest.mark.web
 

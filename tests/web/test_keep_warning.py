@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.host.stock_compare import graph
+from tests.host.support.stock_compare import graph
 from tools import synth
 from tools.api_to_ui import convert
 
-from . import page as P
+from .support import page as P
 
 pytestmark = pytest.mark.web
 

@@ -20,7 +20,7 @@ import pytest
 
 from tools import synth
 
-from . import lora_files
+from .support import lora_files
 from .conftest import META_LORA, PARTIAL_LORA
 
 pytestmark = pytest.mark.web

@@ -14,12 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.host.stock_compare import THREE, finished, mad, multi_rows, one, stock
+from tests.host.support.stock_compare import THREE, finished, mad, multi_rows, one, stock
 from tools import synth
 from tools.api_to_ui import convert
 
-from . import page as P
-from . import workflows as wf
+from .support import page as P
+from .support import workflows as wf
 from .conftest import META_LORA, PARTIAL_LORA
 
 # One scenario in file order: each test builds on the page the tests before it left (docs/testing.md, test order).

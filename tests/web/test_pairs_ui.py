@@ -1,7 +1,7 @@
 """Wan 2.2 pairs in the rows panel of MultiLoRARows, in headless Chromium against the real server: with `model_low`
 linked each row shows its low-noise file (its partner by name, the file it names, "= same file", or why it has
 none) and its target button; the prompt carries the pairing only then; the image queued from the page equals the
-API prompt's (tests/host/pair_example.py: the example on SD1.5 stand-ins)."""
+API prompt's (tests/host/support/pair_example.py: the example on SD1.5 stand-ins)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from tests.host.conftest import UNET_NAME, place, unet_of_checkpoint
-from tests.host.pair_example import (ANIME_HIGH, ANIME_LOW, DETAIL, LIGHTNING_HIGH, LIGHTNING_LOW, MOTION,
+from tests.host.support.pair_example import (ANIME_HIGH, ANIME_LOW, DETAIL, LIGHTNING_HIGH, LIGHTNING_LOW, MOTION,
                                      MOTION_LOW, NAMES, ROWS, SPLIT, make_files, on_sd15)
 from tools import comfy_server as cs
 from tools import synth
 
-from . import page as P
+from .support import page as P
 
 pytestmark = pytest.mark.web
 

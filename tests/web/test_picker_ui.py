@@ -13,9 +13,9 @@ import pytest
 
 from tools import synth
 
-from . import lora_files
-from . import page as P
-from . import workflows as wf
+from .support import lora_files
+from .support import page as P
+from .support import workflows as wf
 from .test_library import png
 
 # One scenario in file order: each test builds on the page the tests before it left (docs/testing.md, test order).

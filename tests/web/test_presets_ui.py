@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.host.stock_compare import finished
-from tests.host.workflows import NAMES
+from tests.host.support.stock_compare import finished
+from tests.host.support.workflows import NAMES
 
-from . import page as P
-from . import workflows as wf
+from .support import page as P
+from .support import workflows as wf
 
 pytestmark = pytest.mark.web
 

@@ -14,8 +14,8 @@ import pytest
 
 from tools import synth
 
-from . import lora_files
-from . import workflows as wf
+from .support import lora_files
+from .support import workflows as wf
 from .conftest import META_LORA, PARTIAL_LORA
 
 pytestmark = pytest.mark.web

@@ -17,8 +17,8 @@ import pytest
 
 from tools import synth
 
-from . import page as P
-from . import workflows as wf
+from .support import page as P
+from .support import workflows as wf
 from .conftest import META_LORA, PARTIAL_LORA
 
 # One scenario in file order: each test builds on the page the tests before it left (docs/testing.md, test order).

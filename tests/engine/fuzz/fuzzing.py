@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, settings, target
 import lora_engine
 from lora_engine import Adapter, EngineError, LoRAError, SlotBank, load_adapter, read_header
 
-from .. import lora_files as lf
+from ..support import lora_files as lf
 
 
 REPO = Path(__file__).resolve().parents[3]

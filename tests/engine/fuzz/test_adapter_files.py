@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from lora_engine import Adapter, FileIdentity
 from lora_engine.patches import parse_tensors
 
-from .. import lora_files as lf
+from ..support import lora_files as lf
 from .fuzzing import Hang, bounded, check_error, exercise, fuzz_settings, good_adapter, record, run_file
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from lora_engine import LoRAError, LoRAFileError, LoRAShapeError, NonFiniteError, SlotBank, load_adapter
 
-from .. import lora_files as lf
+from ..support import lora_files as lf
 from .fuzzing import bounded, reset_peak, status_kib, watchdog
 
 

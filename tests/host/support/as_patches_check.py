@@ -3,10 +3,10 @@ save/merge check's reading of prompts.
 
 Run with ComfyUI's python (tests/host/test_as_patches.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/as_patches_check.py --reads-weight FILE --kinds FILE [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/as_patches_check.py --reads-weight FILE --kinds FILE [--out result.json]
 
 The synthetic SD1.5 checkpoint of tools/synth.py is loaded as CheckpointLoaderSimple loads it. Each key of the result
-is one property (tests/host/properties.py):
+is one property (tests/host/support/properties.py):
 
     layers_match_runtime    a stack of the kohya file, a DoRA + OFT file (`--reads-weight`) and a LoKr + BOFT + GLoRA
                         file (`--kinds`), both written by the test: each layer of the last two, its weight as ComfyUI
@@ -26,10 +26,10 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.host.properties import prop  # noqa: E402
-from tests.host.sampling_check import emit  # noqa: E402
+from tests.host.support.properties import prop  # noqa: E402
+from tests.host.support.sampling_check import emit  # noqa: E402
 from tools.comfy_inprocess import entry_of  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 Run with ComfyUI's python (tests/host/test_bake.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/bake_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/bake_check.py [--out result.json]
 
 A base file stores four layers in fp16; the "fused" model holds them in fp32, as ComfyUI loads such a file on a
 CPU. Each case bakes into a fresh folder and reports what it left there:
@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.host.sampling_check import arguments, emit  # noqa: E402
+from tests.host.support.sampling_check import arguments, emit  # noqa: E402
 
 
 class Interrupted(BaseException):

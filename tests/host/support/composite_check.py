@@ -3,7 +3,7 @@ predictions, each made with one LoRA by ComfyUI's stock loader (comfy.sd.load_lo
 
 Run with ComfyUI's python (tests/host/test_composite.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/composite_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/composite_check.py [--out result.json]
 
 The tiny Flux and the LoRAs A (kohya, 1.0) and B (diffusers, 0.8) of sampling_check.py; Euler, cfg 2, one noise.
 
@@ -27,11 +27,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.sampling_check import Run, diffs, run_sampling  # noqa: E402  (after the sys.path line)
+from tests.host.support.sampling_check import Run, diffs, guided, run_sampling  # noqa: E402  (after the sys.path line)
 
 STEPS, CFG = 3, 2.0
 LORAS = (("kohya", 1.0), ("diffusers", 0.8))
@@ -40,12 +40,7 @@ LORAS = (("kohya", 1.0), ("diffusers", 0.8))
 class Check:
     def __init__(self, run: Run, composite):
         self.run, self.composite = run, composite
-        torch = run.torch
-        self.positive = [[run.context, dict(run.cond)]]
-        g = torch.Generator().manual_seed(21)
-        self.negative = [[torch.randn(run.context.shape, generator=g), dict(run.cond)]]
-        self.calls: list[int] = []
-        run.base.model.diffusion_model.register_forward_pre_hook(lambda _m, args: self.calls.append(args[0].shape[0]))
+        self.positive, self.negative, self.calls = guided(run)
         self.sampling = run.base.get_model_object("model_sampling")
         self.sigmas = run.comfy.samplers.calculate_sigmas(self.sampling, "simple", STEPS).float()
         self.fmt = run.base.model.latent_format

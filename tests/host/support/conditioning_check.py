@@ -4,7 +4,7 @@ Cond Set Props do).
 
 Run with ComfyUI's python (tests/host/test_conditioning.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/conditioning_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/conditioning_check.py [--out result.json]
 
 The tiny Flux and the two LoRAs A (kohya) and B (diffusers) of sampling_check.py; each sample is
 `comfy.sample.sample` (Euler, 2 steps, cfg 2, so the negative is sampled too). The node runs as ComfyUI runs it,
@@ -40,11 +40,11 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.sampling_check import Run, diffs, run_sampling  # noqa: E402  (after the sys.path line)
+from tests.host.support.sampling_check import Run, diffs, run_sampling  # noqa: E402  (after the sys.path line)
 from tools.comfy_inprocess import entry_of  # noqa: E402
 
 STEPS, CFG = 2, 2.0

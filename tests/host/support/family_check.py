@@ -2,7 +2,7 @@
 
 Run with ComfyUI's python (tests/host/test_families.py does, once per session):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/family_check.py [--out rows.jsonl] [--family flux]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/family_check.py [--out rows.jsonl] [--family flux]
 
 Per family (Flux, SDXL, Wan 2.1/2.2, Qwen-Image, SD3/SD3.5, HunyuanVideo, Chroma, LTX-Video, HiDream,
 Lumina 2) a tiny model of ComfyUI's own class is built from a unet_config (`tools.comfy_inprocess.build_model`,
@@ -44,11 +44,11 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # run as a script: the families and the tools are imported from the repository
     sys.path.insert(0, str(ROOT))
 
-from tests.host.family_layouts import Family, Writer, families  # noqa: E402  (after the sys.path line)
+from tests.host.support.family_layouts import Family, Writer, families  # noqa: E402  (after the sys.path line)
 from tools.comfy_inprocess import entry_of  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 
 Run with ComfyUI's python (tests/host/test_found.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/found_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/found_check.py [--out result.json]
 
 The tiny Flux and the two LoRAs A (kohya) and B (diffusers) of sampling_check.py; Euler, 4 steps, cfg 2 (the
 negative in each call's batch), one seed. Its text is no tokenizer's: A's words are text tokens 1 and 2 of the
@@ -39,11 +39,11 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.sampling_check import Run, diffs, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
+from tests.host.support.sampling_check import Run, diffs, guided, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
 from tools.comfy_inprocess import import_engine, entry_of  # noqa: E402
 
 STEPS, CFG, SPLIT = 4, 2.0, 2
@@ -55,12 +55,7 @@ class Check:
         self.found = import_engine("found")
         self.Region = import_engine("regions").Region
         self.run = run
-        torch = run.torch
-        self.positive = [[run.context, dict(run.cond)]]
-        g = torch.Generator().manual_seed(21)
-        self.negative = [[torch.randn(run.context.shape, generator=g), dict(run.cond)]]
-        self.calls: list[int] = []
-        run.base.model.diffusion_model.register_forward_pre_hook(lambda _m, args: self.calls.append(args[0].shape[0]))
+        self.positive, self.negative, self.calls = guided(run)
 
     def finder(self, until: float):
         F = self.found
@@ -69,7 +64,7 @@ class Check:
 
     def stack(self, finder=None, regions=(None, None), model=None):
         bridge, run = self.run.bridge, self.run
-        seek = [None, None] if finder is None else [finder.sought(0), finder.sought(1)]
+        seek = [None, None] if finder is None else [finder.region(0), finder.region(1)]
         entries = [entry_of(run.adapters["kohya"], 1.0, 0.0, region=seek[0] or regions[0]),
                    entry_of(run.adapters["diffusers"], -0.6, 0.0, region=seek[1] or regions[1])]
         return bridge.apply_stack(model or run.base, None, entries, 2)[0]
@@ -131,9 +126,9 @@ class Check:
         for family, encoder in (("UNetModel", "l"), ("Flux", "t5xxl")):
             finder = F.Finder([F.Subject("A", {encoder: (1,)}), F.Subject("B", {encoder: (3,)})], {encoder: text},
                               0.5, 0.3, 0.0)
-            finding = found.Finding(finder, (None, None), encoder, family)
+            auto_regions = found.AutoRegions(finder, (None, None), encoder, family)
             options = {found.OVERRIDE: found.Recorder(), "activations_shape": [1, 8, *grid],
-                       found.CALL: found.Call(finding, (8, 12), text, slice(0, 1))}
+                       found.CALL: found.Call(auto_regions, (8, 12), text, slice(0, 1))}
             if family == "UNetModel":  # [batch, tokens, heads·d], as a UNet's CrossAttention hands them
                 flat = [t.transpose(1, 2).reshape(1, t.shape[2], heads * d) for t in (q, k)]
                 unet_attention.optimized_attention(flat[0], flat[1], flat[1], heads, transformer_options=options)
@@ -177,7 +172,7 @@ class Check:
     def refusals(self) -> dict:
         F, run = self.found, self.run
         finder = F.Finder([F.Subject("hv", {"t5xxl": (1,)})], {"t5xxl": 4}, 0.5)
-        out = {"refusal_family": unknown_layout(run, "hunyuan_video_found.safetensors", finder.sought(0))}
+        out = {"refusal_family": unknown_layout(run, "hunyuan_video_found.safetensors", finder.region(0))}
         long = F.Finder([F.Subject("A", {"t5xxl": (1,)})], {"t5xxl": run.context.shape[1] + 1}, 0.5)
         self.calls.clear()
         length = refused(lambda: self.sample(self.stack(long)), import_engine("errors").ShapingError)

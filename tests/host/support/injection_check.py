@@ -2,11 +2,11 @@
 
 Run with ComfyUI's python (tests/host/test_injection.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/injection_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/injection_check.py [--out result.json]
 
 The synthetic SD1.5 checkpoint of tools/synth.py is loaded as CheckpointLoaderSimple loads it, and stacks are put
 on its model and CLIP by `bridge.apply_stack` (MultiLoRALoader's call). Each key of the result is one property
-(tests/host/properties.py: whether it holds, and the values it was decided on):
+(tests/host/support/properties.py: whether it holds, and the values it was decided on):
 
     failed_load_unet / failed_load_clip   ComfyUI's load of the stack's clone fails (a CUDA out-of-memory, raised
                         from `ModelPatcher.load`); ComfyUI re-injects the model as that load ends, though it holds
@@ -31,10 +31,10 @@ import gc
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.host.properties import prop  # noqa: E402
-from tests.host.sampling_check import run_check  # noqa: E402
+from tests.host.support.properties import prop  # noqa: E402
+from tests.host.support.sampling_check import run_check  # noqa: E402
 from tools.comfy_inprocess import entry_of  # noqa: E402
 
 

@@ -2,13 +2,13 @@
 
 Run with ComfyUI's python (tests/host/test_lifetime.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/lifetime_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/lifetime_check.py [--out result.json]
 
 The synthetic SD1.5 checkpoint of tools/synth.py is loaded as CheckpointLoaderSimple loads it, its three LoRAs are
 put on the model and the CLIP by `bridge.apply_stack` (MultiLoRALoader's call), a prompt is encoded and one Euler
 step sampled through `comfy.sample.sample`, so that ComfyUI loads both and runs their injections. Then every
 reference is dropped, as ComfyUI's cache drops a loader's outputs when another file is chosen, with Python's cyclic
-garbage collector off. The properties (tests/host/properties.py):
+garbage collector off. The properties (tests/host/support/properties.py):
 
     unet_freed / clip_freed   the diffusion model and the text encoder were freed by reference counting (where
                               not: the types of what still refers to it)
@@ -28,10 +28,10 @@ import sys
 import weakref
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.host.properties import prop  # noqa: E402
-from tests.host.sampling_check import run_check  # noqa: E402
+from tests.host.support.properties import prop  # noqa: E402
+from tests.host.support.sampling_check import run_check  # noqa: E402
 from tools.comfy_inprocess import entry_of  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 Run with ComfyUI's python (tests/host/test_masks.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/mask_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/mask_check.py [--out result.json]
 
 The tiny Flux and the two LoRAs A (kohya) and B (diffusers) of sampling_check.py; each sample is
 `comfy.sample.sample` (Euler, 2 steps, cfg 2: the negative is in each call's batch). Masks are 16×16, twice the
@@ -27,11 +27,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.sampling_check import Run, diffs, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
+from tests.host.support.sampling_check import Run, diffs, guided, refused, run_sampling, unknown_layout  # noqa: E402  (after sys.path)
 from tools.comfy_inprocess import import_engine, entry_of  # noqa: E402
 
 STEPS, CFG = 2, 2.0
@@ -41,13 +41,8 @@ class Check:
     def __init__(self, run: Run):
         self.Region = import_engine("regions").Region
         self.run = run
-        torch = run.torch
-        self.positive = [[run.context, dict(run.cond)]]
-        g = torch.Generator().manual_seed(21)
-        self.negative = [[torch.randn(run.context.shape, generator=g), dict(run.cond)]]
-        self.calls: list[int] = []
-        run.base.model.diffusion_model.register_forward_pre_hook(lambda _m, args: self.calls.append(args[0].shape[0]))
-        self.left = torch.zeros(1, 16, 16)
+        self.positive, self.negative, self.calls = guided(run)
+        self.left = run.torch.zeros(1, 16, 16)
         self.left[..., :8] = 1.0
 
     def sample(self, model, items: int = 1):

@@ -3,7 +3,7 @@ beyond the UNet and Flux (nodes/bridge/tokens/): Chroma, SD3, Wan 2.1, Qwen-Imag
 
 Run with ComfyUI's python (tests/host/test_mask_families.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/mask_families_check.py [--out result.json] [--family wan21]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/mask_families_check.py [--out result.json] [--family wan21]
 
 Per family a tiny model of ComfyUI's class (family_layouts.py's unet_config; Z-Image's, picked by its full width
 and then made small, here) and two LoRA files: `every`, kohya factors on every Linear and conv that ComfyUI's key
@@ -55,12 +55,12 @@ import tempfile
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.host.family_layouts import HIDREAM_UNET, Family, Writer, families, hidream_inputs, lumina2_inputs  # noqa: E402
-from tests.host.sampling_check import diffs, emit  # noqa: E402
+from tests.host.support.family_layouts import HIDREAM_UNET, Family, Writer, families, hidream_inputs, lumina2_inputs  # noqa: E402
+from tests.host.support.sampling_check import diffs, emit  # noqa: E402
 from tools.comfy_inprocess import entry_of  # noqa: E402
 
 ZIMAGE = Family(  # model_detection's Z-Image (picked by its width, 3840), made 256 wide: z_image_modulation, pads of 32

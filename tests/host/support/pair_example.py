@@ -17,7 +17,7 @@ import subprocess
 from tools import synth
 
 from . import workflows as wf
-from .conftest import UNET_NAME, own_copy
+from ..conftest import UNET_NAME, own_copy
 
 EXAMPLE = "wan22_pairs_api.json"
 ROWS = "4"

@@ -4,7 +4,7 @@ the same weights dequantized, against ComfyUI's stock and bypass loaders, and a 
 
 Run with ComfyUI's python (tests/host/test_quant_bases.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/quant_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/quant_check.py [--out result.json]
 
 The model: ComfyUI's Flux, hidden 256 (2 heads), 1 double + 1 single block, random weights, written as a
 full-precision file; 16 image + 8 text tokens. Two kohya LoRAs of rank 8 on every block Linear, at 0.8 and -0.6.
@@ -45,12 +45,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # run as a script: tools and the properties are imported from the repository
     sys.path.insert(0, str(ROOT))
 
-from tests.host.properties import prop  # noqa: E402  (after the sys.path line)
-from tests.host.sampling_check import arguments, emit  # noqa: E402
+from tests.host.support.properties import prop  # noqa: E402  (after the sys.path line)
+from tests.host.support.sampling_check import arguments, emit  # noqa: E402
 from tools.comfy_inprocess import import_engine  # noqa: E402
 
 STACK = ((0, 0.8), (1, -0.6))

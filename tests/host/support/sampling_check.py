@@ -3,7 +3,7 @@ whose input layer takes extra channels (Flux Fill, an SDXL inpainting UNet).
 
 Run with ComfyUI's python (tests/host/test_sampling.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/sampling_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/sampling_check.py [--out result.json]
 
 The tiny Flux of family_layouts.py is written as a diffusion-model file and loaded with
 `comfy.sd.load_diffusion_model`, as UNETLoader loads it. Each sample is `comfy.sample.sample` (Euler, 2 steps,
@@ -69,11 +69,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # run as a script: the layouts and the tools are imported from the repository
     sys.path.insert(0, str(ROOT))
 
-from tests.host.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
+from tests.host.support.family_layouts import Writer, families  # noqa: E402  (after the sys.path line)
 from tools.comfy_inprocess import import_engine, entry_of  # noqa: E402
 
 ENTRIES = (("kohya", 1.0), ("diffusers", -0.6))
@@ -298,7 +298,7 @@ class Run:
                         (f"{tag}_stock", f"{tag}_base"))}
 
     def inpaint(self) -> dict:
-        from tests.host.family_layouts import SDXL_TINY, SDXL_UNET, sdxl_inputs, sdxl_kohya
+        from tests.host.support.family_layouts import SDXL_TINY, SDXL_UNET, sdxl_inputs, sdxl_kohya
         from tools.comfy_inprocess import build_model
         torch, comfy = self.torch, self.comfy
         model = build_model(comfy, torch, {**SDXL_UNET, "in_channels": 9}, dtype=torch.float32,
@@ -329,7 +329,7 @@ class Run:
         """Wan 2.1 image-to-video: patch_embedding (a Conv3d) takes the noise latent's 16 channels and the image's
         20 after them; a LoRA of the text-to-video model (musubi-tuner's PEFT layout) that also reaches
         patch_embedding, with 16 inputs there. One forward of the diffusion model on the 36 channels each."""
-        from tests.host.family_layouts import WAN_UNET, wan_inputs, wan_peft
+        from tests.host.support.family_layouts import WAN_UNET, wan_inputs, wan_peft
         from tools.comfy_inprocess import build_model
         torch, comfy = self.torch, self.comfy
         model = build_model(comfy, torch, {**WAN_UNET, "model_type": "i2v", "in_dim": 36}, dtype=torch.float32,
@@ -371,6 +371,18 @@ def arguments(doc: str) -> argparse.Namespace:
 def main() -> int:
     return run_sampling(__doc__, "sampling", lambda run: {**run.clones(), **run.compiled(), **run.control(),
                                                            **run.fill(), **run.inpaint(), **run.wan_i2v()})
+
+
+def guided(run) -> tuple[list, list, list[int]]:
+    """A check's conditionings for `run`'s model (its positive, and a seeded random negative) and a list that each
+    call of the model appends its batch size to."""
+    torch = run.torch
+    positive = [[run.context, dict(run.cond)]]
+    g = torch.Generator().manual_seed(21)
+    negative = [[torch.randn(run.context.shape, generator=g), dict(run.cond)]]
+    calls: list[int] = []
+    run.base.model.diffusion_model.register_forward_pre_hook(lambda _m, args: calls.append(args[0].shape[0]))
+    return positive, negative, calls
 
 
 def run_sampling(doc: str, name: str, check, loras: bool = False) -> int:

@@ -3,9 +3,9 @@ classes, built on the meta device (their layer names, no weights).
 
 Run with ComfyUI's python (tests/host/test_stack_save.py does):
 
-    ~/comfy/ComfyUI/.venv/bin/python tests/host/save_names_check.py [--out result.json]
+    ~/comfy/ComfyUI/.venv/bin/python tests/host/support/save_names_check.py [--out result.json]
 
-Each key of the result is one property (tests/host/properties.py). Kohya's sd-scripts names a text-encoder layer
+Each key of the result is one property (tests/host/support/properties.py). Kohya's sd-scripts names a text-encoder layer
 `<prefix><its name below the transformer, dots as underscores>`, the prefix `lora_te_` for SD1.5's one encoder and
 `lora_te1_` (CLIP-L) / `lora_te2_` (CLIP-G) for SDXL's two:
 
@@ -22,10 +22,10 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.host.properties import prop  # noqa: E402
-from tests.host.sampling_check import emit  # noqa: E402
+from tests.host.support.properties import prop  # noqa: E402
+from tests.host.support.sampling_check import emit  # noqa: E402
 
 LAYER = re.compile(r"^(clip_[lg])\.transformer\.(text_model\.encoder\.layers\.\d+\.(self_attn\.[qkv]_proj|"
                    r"self_attn\.out_proj|mlp\.fc[12]))$")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tools import synth
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "workflows"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "workflows"
 
 # Example file names -> synthetic files in the test models folder.
 NAMES = {

@@ -17,7 +17,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-WEB_DIR = Path(__file__).resolve().parent
+WEB_DIR = Path(__file__).resolve().parents[1]  # tests/web: bridge.mjs and its node_modules
 BRIDGE = WEB_DIR / "bridge.mjs"
 PLAYWRIGHT = WEB_DIR / "node_modules" / "playwright-core"
 

@@ -7,7 +7,7 @@ import copy
 import json
 from pathlib import Path
 
-from tests.host import workflows as host_wf
+from tests.host.support import workflows as host_wf
 
 SIZE, STEPS, CFG = 64, 2, 2.0
 

@@ -1,0 +1,1 @@
+"""What the web tests share: the browser behind bridge.mjs, page helpers, the LoRA files and workflows they use."""
