@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .errors import LoRAFileError, LoRAFormatError
+from .errors import LoRAFileError, LoRAFormatError, WidenedLayerError
 from .patches import LayerPatch, LowRank, parse_tensors
 from .patches.keys import PEFT_META_KEY
 from .reader import read_tensors
@@ -135,11 +135,11 @@ def _refuse_widening(path: str, tensors: dict[str, torch.Tensor], leftover: tupl
         return
     value = tensors[key]
     shape = tuple(int(v) for v in value.reshape(-1).tolist()) if value.numel() <= 8 else tuple(value.shape)
-    raise LoRAFormatError(f"this file widens layer {key[:-len(RESHAPE)]!r} to {shape!r} before adding its delta, as "
-                          "Flux control LoRAs (Canny, Depth) widen img_in for the control image's channels; the "
-                          "runtime path adds to a layer's output and cannot widen its input", path=path, key=key,
-                          remedy="apply this file with ComfyUI's LoraLoaderModelOnly, which reshapes the weight and "
-                                 "fuses it, and the rest of the stack with MultiLoRALoader after it")
+    raise WidenedLayerError(f"this file widens layer {key[:-len(RESHAPE)]!r} to {shape!r} before adding its delta, as "
+                            "Flux control LoRAs (Canny, Depth) widen img_in for the control image's channels; the "
+                            "runtime path adds to a layer's output and cannot widen its input", path=path, key=key,
+                            remedy="apply this file with a loader that patches the weights (it reshapes the layer and "
+                                   "fuses the delta), and the rest of the stack at runtime after it")
 
 
 def _column_major(layers: dict[str, LayerPatch]) -> None:

@@ -78,8 +78,18 @@ class FuseError(LoRAError):
     failing during it marks the model half-fused, and further fusions into it are refused."""
 
 
+class WidenedLayerError(LoRAFormatError):
+    """A file that widens a layer's input before adding its delta (a Flux control LoRA's img_in), which a runtime
+    path, adding to the layer's output, cannot do. A host names its own weight-patching loader in the remedy."""
+
+
 class ShapingError(LoRAError, ValueError):
     """A malformed schedule or block-weight vector, or one that does not fit the model."""
+
+
+class MixedItemsError(ShapingError):
+    """Strengths per batch item for a layer that mixes the items of the batch (a mixture of experts routing tokens
+    flattened over the batch): they would reach other items' tokens. A host names the nodes that set them."""
 
 
 class ConditioningStrengthError(LoRAError, ValueError):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import runtime
-from .errors import ShapingError
+from .errors import MixedItemsError
 from .plan import Geometry, ModulePlan
 from .strengths import Owner, Strengths
 
@@ -138,11 +138,11 @@ class LayerSlots:
         """Per-item strengths are taken row by row from an input's first axis, which a layer such as a mixture of
         experts' (HiDream's, which routes tokens flattened over the batch) or a pooler that puts the sequence first
         does not lay out by item: refused, where strengths would otherwise go to other items' tokens."""
-        raise ShapingError(f"layer {self.name!r} of {self.owner.model_name} takes an input of {rows} rows in a model "
-                           f"call of {self.table.call_rows} items: it mixes the items of the batch, so per-item LoRA "
-                           "strengths (a LoRAStrengthGrid, a conditioning's strengths) cannot reach it",
-                           remedy="give this layer a block weight of 0 in the LoRAs that reach it, or use one "
-                                  "strength for every item")
+        raise MixedItemsError(f"layer {self.name!r} of {self.owner.model_name} takes an input of {rows} rows in a "
+                              f"model call of {self.table.call_rows} items: it mixes the items of the batch, so "
+                              "per-item LoRA strengths cannot reach it",
+                              remedy="give this layer a block weight of 0 in the LoRAs that reach it, or use one "
+                                     "strength for every item")
 
     def _compiled(self, module, x, out):
         """The hook's work under torch.compile: every slot, from the fixed buffers, whatever the strengths and

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 
-from ...lora_engine import LoRAError, ShapingError
+from ...lora_engine import LoRAError, LoRAFormatError, ShapingError
+from ...lora_engine.errors import MixedItemsError, WidenedLayerError
 from ...lora_engine.found import NothingRecordedError, PromptLengthError
 
 
@@ -34,7 +35,20 @@ def _nothing_recorded(e: NothingRecordedError) -> LoRAError:
                                                          "to LoRAStackMask")
 
 
-NODE_WORDS = {PromptLengthError: _prompt_length, NothingRecordedError: _nothing_recorded}
+def _widened_layer(e: WidenedLayerError) -> LoRAError:
+    return LoRAFormatError(e.message, path=e.path, key=e.key,
+                           remedy="apply this file with ComfyUI's LoraLoaderModelOnly, which reshapes the weight and "
+                                  "fuses it, and the rest of the stack with MultiLoRALoader after it")
+
+
+def _mixed_items(e: MixedItemsError) -> LoRAError:
+    return ShapingError(e.message, remedy="give this layer a block weight of 0 (LoRABlockWeights) in the LoRAs that "
+                                          "reach it, or sample without per-item strengths (a LoRAStrengthGrid, a "
+                                          "conditioning's LoRA strengths): one strength for every item")
+
+
+NODE_WORDS = {PromptLengthError: _prompt_length, NothingRecordedError: _nothing_recorded,
+              WidenedLayerError: _widened_layer, MixedItemsError: _mixed_items}
 
 
 def for_node(e: LoRAError) -> LoRAError:

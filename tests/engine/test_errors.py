@@ -15,6 +15,7 @@ from lora_engine import (KeyMap, LoRAFileError, LoRAFormatError, LoRANoMatchErro
 from lora_engine.reader import read_tensors
 
 from .support import lora_files as lf
+from .support.node_names import named_nodes
 
 
 def good(tmp_path, name="good.safetensors"):
@@ -196,6 +197,7 @@ def test_bad_file(tmp_path, maker, error, text, key):
         load_adapter(path)
     msg = str(e.value)
     assert text in msg
+    assert not named_nodes(msg), f"the engine names nodes: {named_nodes(msg)}"
     assert os.path.basename(path) in msg and e.value.path is not None
     if key is not None:
         assert e.value.key == key and repr(key) in msg

@@ -9,6 +9,7 @@ from lora_engine import Entry, LoRAShapeError, NonFiniteError, Schedule, SlotBan
 from lora_engine.errors import ShapingError
 
 from .support import lora_files as lf
+from .support.node_names import named_nodes
 from .support.banks import TOL, four_adapters, run, solo
 
 
@@ -69,8 +70,9 @@ def test_per_item_strengths_on_a_layer_that_mixes_the_items_are_refused(tmp_path
     bank.activate([(adapter, [0.0, 1.0])])
     bank.strengths.call_rows = 2
     with pytest.raises(ShapingError, match=r"layer 'ff' of Routed takes an input of 6 rows in a model call of 2 "
-                                           r"items: it mixes the items"):
+                                           r"items: it mixes the items") as e:
         run(model, x)
+    assert not named_nodes(str(e.value)), "the engine names nodes"
     bank.strengths.call_rows = 4  # cond and uncond stacked: the chunk layout is the host's to give
     with pytest.raises(ShapingError, match="12 rows in a model call of 4 items"):
         run(model, torch.cat([x, x]))
