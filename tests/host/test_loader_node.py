@@ -193,7 +193,7 @@ TRIGGER_CASES = {
 
 @pytest.fixture(scope="module")
 def trigger_files(models_dir):
-    from tests.web import lora_files
+    from tests.web.support import lora_files
     names = {}
     for case, (metadata, sidecars, _) in TRIGGER_CASES.items():
         name = f"triggers/{case}.safetensors"
