@@ -237,7 +237,6 @@ def test_vector_of_the_wrong_length_is_refused_before_sampling(server, plain):
 
 
 def test_the_example_runs_and_shapes(server):
-    from . import workflows as wf
     example = wf.small(wf.load("shaping_api.json"), steps=STEPS, prefix="shaping")
     got = server.run(example)
     assert len(got) == 1

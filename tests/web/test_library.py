@@ -240,11 +240,16 @@ def test_a_replaced_preview_gets_a_new_etag(web_server, library):
     rel = "wan22/plain.safetensors"
     _, headers, _ = preview(web_server, name(rel))
     path = library["top"] / "wan22" / "plain.png"
+    original = path.read_bytes()
     tmp = path.with_name("plain.tmp")
-    tmp.write_bytes(png((1, 2, 3)))
-    os.replace(tmp, path)
-    code, new, got = preview(web_server, name(rel), {"If-None-Match": headers["ETag"]})
-    assert code == 200 and got == png((1, 2, 3)) and new["ETag"] != headers["ETag"]
+    try:
+        tmp.write_bytes(png((1, 2, 3)))
+        os.replace(tmp, path)
+        code, new, got = preview(web_server, name(rel), {"If-None-Match": headers["ETag"]})
+        assert code == 200 and got == png((1, 2, 3)) and new["ETag"] != headers["ETag"]
+    finally:  # the module's other tests, in any order, read the preview the library was made with
+        tmp.write_bytes(original)
+        os.replace(tmp, path)
 
 
 def test_missing_preview_is_a_clear_404(web_server, library):
