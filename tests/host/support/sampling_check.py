@@ -63,6 +63,7 @@ layers; test_sampling.py holds them to their bounds. This module imports neither
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -249,8 +250,8 @@ class Run:
             self.cache.load(self.control_path, name="flux_control.safetensors",
                             convert=self.comfy.lora_convert.convert_lora, convert_id="comfy")
             refusal = None
-        except LoRAFormatError as e:
-            refusal = str(e)
+        except LoRAFormatError as e:  # as the user reads it: in the nodes' words (the bridge's `for_node`)
+            refusal = str(importlib.import_module(self.bridge.__name__ + ".errors").for_node(e))
         cond = {"concat_latent_image": self.control_latent}
         control = self.stock(self.base, self.control_path, 1.0)
         s = {"base": self.sample(self.base, **cond), "control": self.sample(control, **cond)}
