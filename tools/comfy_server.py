@@ -289,6 +289,7 @@ class ComfyServer:
         srv._url = url.rstrip("/")
         srv.client_id = uuid.uuid4().hex
         srv.port = srv.proc = srv.proc_rc = srv.pack_root = srv.log_path = None
+        srv.role = ""
         return srv
 
     def _prepare_dirs(self) -> None:
