@@ -26,7 +26,8 @@ class FileRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, slack: int = 0, **_) -> None:
         self.slack = int(slack)
-        self.sent: dict[ReplicaID, dict[str, float]] = {}  # worker → file → when a prompt needing it was sent there
+        # worker → (kind, file) → when a prompt needing it was sent there; kind is "bases" or "loras"
+        self.sent: dict[ReplicaID, dict[tuple[str, str], float]] = {}
 
     @staticmethod
     def files(pending_request: PendingRequest | None) -> tuple[frozenset[str], frozenset[str]]:
@@ -36,9 +37,9 @@ class FileRouter(FIFOMixin, RequestRouter):
 
     def _held(self, replica: RunningReplica, kind: str) -> frozenset[str]:
         reported = (replica.routing_stats or {}).get(kind, ())
-        sent = {f for f, at in self.sent.get(replica.replica_id, {}).items()
-                if time.monotonic() - at < RECENT_S and f.startswith(kind + "/")}
-        return frozenset(reported) | {f.split("/", 1)[1] for f in sent}
+        now = time.monotonic()
+        sent = {f for (k, f), at in self.sent.get(replica.replica_id, {}).items() if k == kind and now - at < RECENT_S}
+        return frozenset(reported) | sent
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -60,10 +61,10 @@ class FileRouter(FIFOMixin, RequestRouter):
         bases, loras = self.files(pending_request)
         now = time.monotonic()
         sent = self.sent.setdefault(replica_id, {})
-        for f in [f for f, at in sent.items() if now - at >= RECENT_S]:
-            del sent[f]
-        sent.update({f"bases/{f}": now for f in bases})
-        sent.update({f"loras/{f}": now for f in loras})
+        for old in [key for key, at in sent.items() if now - at >= RECENT_S]:
+            del sent[old]
+        sent.update({("bases", f): now for f in bases})
+        sent.update({("loras", f): now for f in loras})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
