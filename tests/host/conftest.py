@@ -145,14 +145,6 @@ def place(src, dst) -> None:
         shutil.copyfile(src, dst)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def other_tiers_servers_freed():
-    """Each host module begins with every other tier's server freed of its models (`cs.free_others`): in random
-    order the web tier's server, loaded by its last module, would otherwise hold its models beside this tier's
-    server and its in-process checks (a 24 GB machine ran out of memory so)."""
-    cs.free_others(role="host")
-
-
 @pytest.fixture(scope="session")
 def server(comfy_root, comfy_python, models_dir, tmp_path_factory):
     srv = cs.ComfyServer(comfy_root=comfy_root, python=comfy_python, models_dir=models_dir,

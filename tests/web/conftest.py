@@ -61,13 +61,6 @@ def web_models_dir(tmp_path_factory, web_comfy_root) -> Path:
     return root
 
 
-@pytest.fixture(scope="module", autouse=True)
-def other_tiers_servers_freed():
-    """Each web module begins with every other tier's server freed of its models (`cs.free_others`), as each host
-    module does: one tier's models in memory at a time, in any order of the modules."""
-    cs.free_others(role="web")
-
-
 @pytest.fixture(scope="session")
 def web_server(web_comfy_root, web_models_dir, tmp_path_factory):
     # The model stays while the prompts use it, on a busy machine too: the preset tests compare images bit for bit.
