@@ -38,10 +38,15 @@ AT_CACHE = """(id) => {
 }"""
 
 
-def settled_boxes(browser, script: str, nodes: list[dict], timeout_s: float = 30.0) -> dict:
-    """The boxes `script` reads, once it reads all `nodes` and two reads 0.3 s apart agree (Nodes 2.0 sets a node's
-    size once its element is drawn; on a loaded machine that takes more than a frame)."""
-    deadline = time.monotonic() + timeout_s
+def settled_boxes(browser, script: str, ui: dict, timeout_s: float = 30.0) -> dict:
+    """The boxes `script` reads of workflow `ui`, loaded, once it reads all its nodes and two reads 0.3 s apart agree
+    (Nodes 2.0 sets a node's size once its element is drawn; on a loaded machine that takes more than a frame). A
+    load after which the graph still lacks a node 10 s on is made once more: in Nodes 2.0 after a long session the
+    frontend now and then left one node of a loaded workflow out of the graph (auto_regions' PreviewImage)."""
+    nodes = ui["nodes"]
+    browser.js(LOAD, ui)
+    start = time.monotonic()
+    deadline, again = start + timeout_s, start + timeout_s / 3
     last = None
     while True:
         P.settle(browser, 0.3)
@@ -49,6 +54,9 @@ def settled_boxes(browser, script: str, nodes: list[dict], timeout_s: float = 30
         if len(boxes) == len(nodes) and boxes == last:
             return boxes
         missing = [(n["id"], n["type"], n["pos"]) for n in nodes if str(n["id"]) not in boxes]
+        if missing and again is not None and time.monotonic() > again:
+            browser.js(LOAD, ui)
+            again = None
         assert time.monotonic() < deadline, (f"{len(boxes)} nodes drawn of {len(nodes)} (not drawn: {missing}), or "
                                              f"still moving, after {timeout_s} s")
         last = boxes
@@ -86,8 +94,7 @@ def test_no_node_of_an_example_covers_another(browser, renderer, artifacts):
     found = {}
     for path in EXAMPLES:
         ui = json.loads(path.read_text())
-        browser.js(LOAD, ui)
-        boxes = settled_boxes(browser, BOXES, ui["nodes"])
+        boxes = settled_boxes(browser, BOXES, ui)
         bad = overlaps(boxes, {str(n["id"]): n["type"] for n in ui["nodes"]})
         if bad:
             found[path.name] = bad
