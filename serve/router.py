@@ -4,8 +4,10 @@ loaded (`serve/ranking.py`).
 What a worker holds, the router learns two ways: the worker reports its `GET /multilora/resident` through Ray's
 routing stats (`ComfyWorker.record_routing_stats`, every `STATS_PERIOD_S`), and the router adds the files of each
 prompt it sends there since, for as long as the next report may take (a file sent is read by the time its prompt
-runs). A worker's queue is Ray's count of its ongoing requests, one per prompt queued or running on it. The files of
-a prompt come with its request (`ComfyWorker.run`'s `files`), as the ingress computed them (`prompt_files`).
+runs). A worker's queue is Ray's count of its ongoing requests, one per prompt queued or running on it, where Ray's
+cache of it is fresh (it forgets a count it has not updated for 10 s, `RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S`: a
+worker sampling one long prompt); else the prompts this router sent it that have not completed. The files of a prompt
+come with its request (`ComfyWorker.run`'s `files`), as the ingress computed them (`prompt_files`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class FileRouter(FIFOMixin, RequestRouter):
         self.slack = int(slack)
         # worker → (kind, file) → when a prompt needing it was sent there; kind is "bases" or "loras"
         self.sent: dict[ReplicaID, dict[tuple[str, str], float]] = {}
+        # worker → the requests this router sent it that have not completed (Ray also reports the completion of a
+        # request the worker refused, which was never routed: hence ids, not a count)
+        self.ongoing: dict[ReplicaID, set[str]] = {}
 
     @staticmethod
     def files(pending_request: PendingRequest | None) -> tuple[frozenset[str], frozenset[str]]:
@@ -50,7 +55,8 @@ class FileRouter(FIFOMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True
         by_name, views = {}, []
         for r in candidate_replicas:
-            queue = self.replica_queue_len_cache.get(r.replica_id) or 0
+            queue = self.replica_queue_len_cache.get(r.replica_id)
+            queue = len(self.ongoing.get(r.replica_id, ())) if queue is None else queue
             name = r.replica_id.unique_id
             by_name[name] = r
             views.append(Worker(name, queue, queue < r.max_ongoing_requests, self._held(r, "bases"),
@@ -65,7 +71,12 @@ class FileRouter(FIFOMixin, RequestRouter):
             del sent[old]
         sent.update({("bases", f): now for f in bases})
         sent.update({("loras", f): now for f in loras})
+        self.ongoing.setdefault(replica_id, set()).add(pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.ongoing.get(replica_id, set()).discard(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.sent.pop(replica_id, None)
+        self.ongoing.pop(replica_id, None)
