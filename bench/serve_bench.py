@@ -13,9 +13,11 @@ fresh local Ray with two fresh workers whose base model is loaded before the tra
 - `all warm`: by load, and every worker's cache (made large enough) holding every LoRA before the trace: the limit.
 Per arm: LoRA files read and base models loaded per 100 prompts (the workers' cache misses and reads ahead;
 "model_type" lines in their logs), the reads beyond the first read of each file the trace names (no router avoids
-those: the workers start with no LoRA), p50 and p95 latency (send to image), throughput. Then, on one server, what one cold LoRA file costs a
-prompt (`cold`), and prefetch: two prompts with
-different cold stacks posted back to back, the time from the second's post to its image, with and without
+those: the workers start with no LoRA), p50 and p95 latency (send to image), of which the median wait (send to the
+worker's start) and run (start to finish, reads of its own files included; ComfyUI's history stamps), throughput.
+`--repeat N` runs the arms in turn N times, so that the spread between runs shows beside the gaps between arms.
+Then, on one server, what one cold LoRA file costs a prompt (`cold`), and prefetch: two prompts with different cold
+stacks posted back to back, the time from the second's post to its image, with and without
 $MULTILORA_PREFETCH, and the LoRA files the second read itself.
 """
 
@@ -87,6 +89,15 @@ def http(url: str, body: dict | None = None, timeout: float = 900.0):
     return status, out if isinstance(out, dict) else {}
 
 
+def ran_at(ingress: str, prompt_id: str | None) -> tuple[float, float] | None:
+    """When a prompt's worker started and finished running it (epoch seconds, from its ComfyUI history)."""
+    entry = http(f"{ingress}/history/{prompt_id}")[1].get(prompt_id, {}) if prompt_id else {}
+    stamps = {kind: data.get("timestamp") for kind, data in entry.get("status", {}).get("messages", [])}
+    if stamps.get("execution_start") is None or stamps.get("execution_success") is None:
+        return None
+    return stamps["execution_start"] / 1000, stamps["execution_success"] / 1000
+
+
 def reads(url: str) -> int:
     """LoRA files a worker has read: its prompts' own reads (the cache's misses) and its reads ahead (prefetch)."""
     status = http(url + "/multilora/status")[1]
@@ -149,14 +160,17 @@ def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str
 
         def send(i: int, stack):
             time.sleep(max(0.0, start + arrivals[i] - time.monotonic()))
-            t0 = time.monotonic()
+            t0, wall = time.monotonic(), time.time()
             status, out = http(ingress + "/generate", {"prompt": graph(stack, 1000 + i, args.steps)})
-            results.append((t0, time.monotonic(), status, out.get("worker")))
+            done = time.monotonic()
+            ran = ran_at(ingress, out.get("prompt_id")) if status == 200 else None
+            results.append((t0, done, status, out.get("worker"), ran and (ran[0] - wall, ran[1] - ran[0])))
 
         with ThreadPoolExecutor(max_workers=64) as pool:
             list(pool.map(lambda a: send(*a), enumerate(trace)))
-        lat = sorted(done - sent for sent, done, status, _ in results if status == 200)
-        span = max(done for _, done, _, _ in results) - start
+        lat = sorted(r[1] - r[0] for r in results if r[2] == 200)
+        split = [r[4] for r in results if r[4]]
+        span = max(r[1] for r in results) - start
         read = sum(reads(u) for u in urls.values()) - read0
         loads = base_loads(work / "workers") - loads0
         n = len(trace)
@@ -165,6 +179,8 @@ def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str
                 "lora_reads_per_100": round(100 * read / n, 1), "beyond_first_per_100": round(100 * (read - first) / n, 1),
                 "base_loads_per_100": round(100 * loads / n, 1),
                 "p50_s": round(statistics.median(lat), 2), "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 2),
+                "wait_p50_s": round(statistics.median(w for w, _ in split), 2) if split else None,
+                "run_p50_s": round(statistics.median(r for _, r in split), 2) if split else None,
                 "throughput_per_min": round(60 * len(lat) / span, 2),
                 "per_worker": {w: sum(1 for r in results if r[3] == w) for w in urls}}
     finally:
@@ -230,6 +246,7 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of the workers' capacity")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="run the routing arms in turn this many times")
     ap.add_argument("--arms", default="files,no ids,all warm,cold,prefetch",
                     help=f"of {', '.join([*ROUTING, 'cold', 'prefetch'])}")
     ap.add_argument("--out", default=None, help="also write the figures to this JSON file")
@@ -261,12 +278,13 @@ def main() -> int:
         figures["capacity_per_s"], figures["arrivals_per_s"] = round(capacity, 3), round(rate, 3)
         print(f"two workers busy with one warm stack: {capacity:.3f} prompts/s; arrivals {rate:.3f}/s "
               f"({args.load:.0%})", flush=True)
-        for name in ROUTING:
-            if name in arms:
-                row = arm(name, args, trace, models, rate,
-                          warm=sorted({n for stack in trace for n, _ in stack}) if name == "all warm" else [])
-                figures["arms"].append(row)
-                print(json.dumps(row), flush=True)
+        for round_ in range(1, args.repeat + 1):  # the arms in turn, `--repeat` times: the spread between rounds
+            for name in ROUTING:
+                if name in arms:
+                    row = arm(name, args, trace, models, rate,
+                              warm=sorted({n for stack in trace for n, _ in stack}) if name == "all warm" else [])
+                    figures["arms"].append({**row, "round": round_})
+                    print(json.dumps(figures["arms"][-1]), flush=True)
     if "cold" in arms:
         figures["cold_load"] = cold_cost(models, names, args.steps)
         print(json.dumps({"cold_load": figures["cold_load"]}), flush=True)

@@ -13,8 +13,11 @@ at a time; a prompt costs the warm time, plus the cost of each of its LoRA files
   the fewest keys, if one has room; else, once the prompt has waited the matching timeout (1 s), any worker with
   room. A worker holds the keys of the prompts it took, the last `--keys` of them. The key is serve/affinity.py's:
   the prompt's set of files;
-- `anchor`: the same, with one file of the set as the key (the first in a fixed hash order), so that sets that share
-  files mostly share a key: a coarser key, for comparison;
+- `homes`: the worker most of the prompt's files call home (serve/ranking.py's rendezvous hashing over all the
+  workers), whatever the queues, waiting for it while it is full: the library divided among the workers once and
+  for all, what a strict partition saves, at any cost in latency;
+- `anchor`: as `affinity`, with one file of the set as the key (the first in a fixed hash order), so that sets that
+  share files mostly share a key: a coarser key, for comparison;
 - `no ids`: two workers drawn at random, the one with the shorter queue (Ray's power of two choices), if it has room;
 - `all warm`: as `no ids`, with every file in every cache from the start: the limit.
 A prompt that finds no worker waits in arrival order. Arrivals are Poisson at `--load` of the workers' capacity
@@ -63,7 +66,7 @@ class Worker:
 
     def read(self, files) -> int:
         cold = 0
-        for f in files:
+        for f in sorted(files):  # a set's order follows the process's string hashing: sorted, the run repeats
             if f in self.cache:
                 self.cache.move_to_end(f)
             else:
@@ -83,6 +86,8 @@ def simulate(policy: str, trace, workers: int, args, rng: random.Random) -> dict
     files_of = [frozenset(n for n, _ in stack) for stack in trace]
     key_of = [anchor(f) if policy == "anchor" else f for f in files_of]
     everything = set().union(*files_of)
+    names = [str(k) for k in range(workers)]
+    home_of = {f: int(ranking.home(f, names)) for f in everything} if policy == "homes" else {}
     pool = [Worker(args.cache, args.keys, everything if policy == "all warm" else None) for _ in range(workers)]
     rate = args.load * workers / args.warm_s
     t, arrivals = 0.0, []
@@ -98,6 +103,10 @@ def simulate(policy: str, trace, workers: int, args, rng: random.Random) -> dict
         room = [w for w in pool if w.load() < args.queue]
         if not room:
             return None
+        if policy == "homes":  # the worker most of the prompt's files call home, whatever the queues
+            votes = [home_of[f] for f in sorted(files_of[i])]
+            w = pool[max(sorted(set(votes)), key=votes.count)] if votes else min(pool, key=Worker.load)
+            return w if w.load() < args.queue else None
         if policy.startswith("files"):
             slack = 1 if policy.endswith("1") else 0
             views = [ranking.Worker(str(k), w.load(), w.load() < args.queue,
@@ -191,7 +200,7 @@ def main() -> int:
         for workers in (int(x) for x in args.workers.split(",")):
             for n in ([args.prompts] if args.prompts else [120, 60 * workers]):
                 trace = make_trace(n, names, args.zipf, args.seed)
-                for policy in ("files", "files, slack 1", "affinity", "anchor", "no ids", "all warm"):
+                for policy in ("files", "files, slack 1", "homes", "affinity", "anchor", "no ids", "all warm"):
                     row = simulate(policy, trace, workers, args, random.Random(args.seed + 1))
                     print(json.dumps({"library": library, **row}), flush=True)
     return 0
