@@ -1,12 +1,14 @@
 """Serving on Ray Serve, side by side in one run: routed by files, by affinity key, by load, and every stack warm.
 
     python bench/serve_bench.py                      # 120 prompts, 24 LoRAs, two CPU workers; then prefetch
+    python bench/serve_bench.py --workers 8 --arms "files,no ids,all warm"   # on a machine with room for eight
     python bench/serve_bench.py --prompts 200 --rank 64 --out serve.json
 
 One seeded trace: each prompt a stack of 1 to 3 of `--loras` synthetic SD1.5 LoRAs (kohya, rank `--rank`, drawn
 Zipf-like, exponent `--zipf`) on the synthetic checkpoint, 64×64, `--steps` steps; arrivals Poisson at `--load` of
-the two workers' capacity, measured first (prompts per second of one warm stack, two in flight). The arms, each on a
-fresh local Ray with two fresh workers whose base model is loaded before the trace starts:
+the workers' capacity, measured first (prompts per second of one warm stack, one in flight per worker). The arms,
+each on a fresh local Ray with `--workers` fresh workers (two by default; each CPU worker holds the synthetic SD1.5
+at about 5 GB) whose base model is loaded before the trace starts:
 - `files`: serve/'s ingress as it is, the pack's router (`serve/router.py`); `files slack 1` the same with slack 1;
 - `affinity`: each prompt's affinity key as its multiplexed_model_id, Ray's own router;
 - `no ids` (`--routing load`): Ray routes by load alone;
@@ -114,7 +116,7 @@ ROUTING = {"files": ("files", 0), "files slack 1": ("files", 1), "affinity": ("a
 
 
 def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str]) -> dict:
-    """One arm on a fresh local Ray with two fresh workers; with `rate` None, the calibration of the two workers'
+    """One arm on a fresh local Ray with `args.workers` fresh workers; with `rate` None, the calibration of the workers'
     throughput instead."""
     import ray
     from ray import serve
@@ -136,19 +138,21 @@ def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str
         port = cs.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         routing, slack = ROUTING.get(name, ("load", 0))
-        serve.run(build(settings, workers=2, routing=routing, slack=slack), name="multilora", route_prefix="/")
+        serve.run(build(settings, workers=args.workers, routing=routing, slack=slack), name="multilora",
+                  route_prefix="/")
         ingress = f"http://127.0.0.1:{port}"
         urls = {d.name: (d / "url").read_text().strip() for d in (work / "workers").iterdir()}
         for url in urls.values():  # each worker's base model loaded (and, for `all warm`, every LoRA read)
             srv = cs.ComfyServer.attach(url)
             srv.wait(srv.post_prompt(graph([(n, 0.5) for n in warm], 0, 1)), timeout=1800)
-        if rate is None:  # calibration: two prompts of one warm stack in flight at all times, both workers busy
+        if rate is None:  # calibration: one prompt of one warm stack in flight per worker at all times, all busy
             stack = trace[0]
             http(ingress + "/generate", {"prompt": graph(stack, 0, args.steps)})
             t0 = time.monotonic()
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                list(pool.map(lambda i: http(ingress + "/generate", {"prompt": graph(stack, i, args.steps)}), range(8)))
-            return {"throughput_per_s": 8 / (time.monotonic() - t0)}
+            n = 4 * args.workers
+            with ThreadPoolExecutor(max_workers=args.workers) as pool:
+                list(pool.map(lambda i: http(ingress + "/generate", {"prompt": graph(stack, i, args.steps)}), range(n)))
+            return {"throughput_per_s": n / (time.monotonic() - t0)}
         read0, loads0 = sum(reads(u) for u in urls.values()), base_loads(work / "workers")
         rng = random.Random(args.seed + 1)
         arrivals, t = [], 0.0
@@ -240,8 +244,10 @@ def cold_cost(models: Path, names: list[str], steps: int, repeat: int = 3) -> di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=120)
+    ap.add_argument("--workers", type=int, default=2, help="ComfyUI workers in each routing arm")
     ap.add_argument("--loras", type=int, default=24)
-    ap.add_argument("--rank", type=int, default=64, help="rank of the synthetic LoRAs (64: about 26 MB each)")
+    ap.add_argument("--rank", type=int, default=64,
+                    help="rank of the synthetic LoRAs (64: 44.7 MiB each on the synthetic SD1.5)")
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of the workers' capacity")
     ap.add_argument("--steps", type=int, default=2)
@@ -276,7 +282,7 @@ def main() -> int:
         capacity = arm("calibration", args, trace, models, None, warm=[])["throughput_per_s"]
         rate = args.load * capacity
         figures["capacity_per_s"], figures["arrivals_per_s"] = round(capacity, 3), round(rate, 3)
-        print(f"two workers busy with one warm stack: {capacity:.3f} prompts/s; arrivals {rate:.3f}/s "
+        print(f"{args.workers} workers busy with one warm stack: {capacity:.3f} prompts/s; arrivals {rate:.3f}/s "
               f"({args.load:.0%})", flush=True)
         for round_ in range(1, args.repeat + 1):  # the arms in turn, `--repeat` times: the spread between rounds
             for name in ROUTING:
