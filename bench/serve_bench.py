@@ -168,13 +168,14 @@ def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str
             status, out = http(ingress + "/generate", {"prompt": graph(stack, 1000 + i, args.steps)})
             done = time.monotonic()
             ran = ran_at(ingress, out.get("prompt_id")) if status == 200 else None
-            results.append((t0, done, status, out.get("worker"), ran and (ran[0] - wall, ran[1] - ran[0])))
+            results.append({"latency": done - t0, "done": done, "ok": status == 200, "worker": out.get("worker"),
+                            "wait_run": ran and (ran[0] - wall, ran[1] - ran[0])})
 
         with ThreadPoolExecutor(max_workers=64) as pool:
             list(pool.map(lambda a: send(*a), enumerate(trace)))
-        lat = sorted(r[1] - r[0] for r in results if r[2] == 200)
-        split = [r[4] for r in results if r[4]]
-        span = max(r[1] for r in results) - start
+        lat = sorted(r["latency"] for r in results if r["ok"])
+        split = [r["wait_run"] for r in results if r["wait_run"]]
+        span = max(r["done"] for r in results) - start
         read = sum(reads(u) for u in urls.values()) - read0
         loads = base_loads(work / "workers") - loads0
         n = len(trace)
@@ -186,7 +187,7 @@ def arm(name: str, args, trace, models: Path, rate: float | None, warm: list[str
                 "wait_p50_s": round(statistics.median(w for w, _ in split), 2) if split else None,
                 "run_p50_s": round(statistics.median(r for _, r in split), 2) if split else None,
                 "throughput_per_min": round(60 * len(lat) / span, 2),
-                "per_worker": {w: sum(1 for r in results if r[3] == w) for w in urls}}
+                "per_worker": {w: sum(1 for r in results if r["worker"] == w) for w in urls}}
     finally:
         serve.shutdown()
         ray.shutdown()

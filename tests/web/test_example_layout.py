@@ -38,8 +38,8 @@ AT_CACHE = """(id) => {
 }"""
 
 
-def settled_boxes(browser, script: str, ui: dict, timeout_s: float = 30.0) -> dict:
-    """The boxes `script` reads of workflow `ui`, loaded, once it reads all its nodes and two reads 0.3 s apart agree
+def settled_boxes(browser, ui: dict, timeout_s: float = 30.0) -> dict:
+    """The node boxes (`BOXES`) of workflow `ui`, loaded, once it reads all its nodes and two reads 0.3 s apart agree
     (Nodes 2.0 sets a node's size once its element is drawn; on a loaded machine that takes more than a frame). A
     load after which the graph still lacks a node 10 s on is made once more: in Nodes 2.0 after a long session the
     frontend now and then left one node of a loaded workflow out of the graph (auto_regions' PreviewImage)."""
@@ -50,7 +50,7 @@ def settled_boxes(browser, script: str, ui: dict, timeout_s: float = 30.0) -> di
     last = None
     while True:
         P.settle(browser, 0.3)
-        boxes = browser.js(script)
+        boxes = browser.js(BOXES)
         if len(boxes) == len(nodes) and boxes == last:
             return boxes
         missing = [(n["id"], n["type"], n["pos"]) for n in nodes if str(n["id"]) not in boxes]
@@ -94,7 +94,7 @@ def test_no_node_of_an_example_covers_another(browser, renderer, artifacts):
     found = {}
     for path in EXAMPLES:
         ui = json.loads(path.read_text())
-        boxes = settled_boxes(browser, BOXES, ui)
+        boxes = settled_boxes(browser, ui)
         bad = overlaps(boxes, {str(n["id"]): n["type"] for n in ui["nodes"]})
         if bad:
             found[path.name] = bad
